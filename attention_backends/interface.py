@@ -1,0 +1,149 @@
+"""What an attention backend is: a kernel over a paged KV cache plus a capability declaration.
+
+A leaf module: it imports nothing else of tokenmill's.
+
+The KV cache of one layer is one tensor of shape
+    [2, num_blocks, block_size, num_kv_heads, head_size]     (index 0 = keys, 1 = values)
+unless a backend overrides `kv_cache_shape`.
+
+A batch is flattened: all scheduled tokens of all sequences are concatenated along dim 0.
+Sequences are ordered decodes first (query length 1), then prefill chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+import torch
+
+ATTENTION_API_VERSION = 1
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of mixed prefill chunks and decodes.
+
+    For sequence i, its query tokens are rows query_start_loc[i]:query_start_loc[i+1] of q/k/v;
+    they sit at positions seq_lens[i] - query_len_i ... seq_lens[i] - 1 of that sequence, so
+    each attends causally to every cached token before it plus itself.
+    """
+    query_start_loc: torch.Tensor   # int32 [num_seqs + 1], on the device
+    seq_lens: torch.Tensor          # int32 [num_seqs], context length after this step's tokens
+    block_tables: torch.Tensor      # int32 [num_seqs, max_blocks_per_seq]; padding entries are 0
+    slot_mapping: torch.Tensor      # int64 [num_tokens]: block_id * block_size + offset for each new token
+    num_decodes: int                # the first num_decodes sequences have query length 1
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so Python-side backends need no device sync.
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1] if self.query_start_loc_cpu else 0
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """What a caller wants to run; backends say whether they can."""
+    head_size: int
+    num_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    kv_cache_dtype: str = "auto"          # "auto" = same as dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2"
+    block_size: int = 16
+    sliding_window: Optional[int] = None
+    logits_soft_cap: Optional[float] = None
+    graph_capture: str = "none"           # "none", "torch.compile", "cuda_graphs", "xla"
+    device: str = "cpu"
+
+
+class AttentionBackend:
+    """One attention implementation. Subclass, declare capabilities, implement `forward`."""
+    name: ClassVar[str] = ""
+    supported_head_sizes: ClassVar[Optional[tuple[int, ...]]] = None   # None = any
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
+    supported_block_sizes: ClassVar[Optional[tuple[int, ...]]] = None  # None = any power of two
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    supports_gqa: ClassVar[bool] = True
+    supports_sliding_window: ClassVar[bool] = False
+    supports_logits_soft_cap: ClassVar[bool] = False
+    supported_graph_modes: ClassVar[tuple[str, ...]] = ("none",)
+
+    @classmethod
+    def probe(cls) -> Optional[str]:
+        """None when the backend's packages import here, else the reason they do not."""
+        return None
+
+    @classmethod
+    def validate(cls, config: AttentionConfig) -> list[str]:
+        """Every reason this backend cannot run `config`; empty when it can."""
+        reasons: list[str] = []
+        missing = cls.probe()
+        if missing:
+            reasons.append(missing)
+        if config.device not in cls.supported_devices:
+            reasons.append(f"device {config.device!r} not supported (supports {list(cls.supported_devices)})")
+        if cls.supported_head_sizes is not None and config.head_size not in cls.supported_head_sizes:
+            reasons.append(f"head size {config.head_size} not supported (supports {list(cls.supported_head_sizes)})")
+        if config.dtype not in cls.supported_dtypes:
+            reasons.append(f"dtype {config.dtype} not supported")
+        if config.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(f"kv cache dtype {config.kv_cache_dtype!r} not supported "
+                           f"(supports {list(cls.supported_kv_cache_dtypes)})")
+        if cls.supported_block_sizes is not None and config.block_size not in cls.supported_block_sizes:
+            reasons.append(f"block size {config.block_size} not supported "
+                           f"(supports {list(cls.supported_block_sizes)})")
+        if config.num_heads % config.num_kv_heads:
+            reasons.append(f"num_heads {config.num_heads} is not a multiple of num_kv_heads {config.num_kv_heads}")
+        elif config.num_heads != config.num_kv_heads and not cls.supports_gqa:
+            reasons.append("grouped-query attention not supported")
+        if config.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append("sliding window not supported")
+        if config.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
+            reasons.append("logits soft-cap not supported")
+        if config.graph_capture not in cls.supported_graph_modes:
+            reasons.append(f"graph capture {config.graph_capture!r} not supported "
+                           f"(supports {list(cls.supported_graph_modes)})")
+        return reasons
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Write key/value [T, Hkv, D] into kv_cache at metadata.slot_mapping, then attend.
+
+        query: [T, H, D]. Returns [T, H, D] in query's dtype.
+        """
+        raise NotImplementedError
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys/values into their paged slots (the default cache layout)."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
+    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))

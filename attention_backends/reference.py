@@ -1,0 +1,43 @@
+"""The truth: plain torch, one sequence at a time, softmax in float32. Slow by design."""
+from __future__ import annotations
+
+import torch
+
+from .interface import AttentionBackend, AttentionMetadata, write_kv
+
+
+class ReferenceAttention(AttentionBackend):
+    name = "reference"
+    supported_devices = ("cpu", "cuda", "rocm", "xpu", "tpu", "neuron")
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supported_graph_modes = ("none",)
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        group = self.num_heads // self.num_kv_heads
+        block_size = metadata.block_size
+        for i in range(metadata.num_seqs):
+            start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            seq_len = metadata.seq_lens_cpu[i]
+            q_len = end - start
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = metadata.block_tables[i, :num_blocks].long()
+            k = kv_cache[0, blocks].reshape(-1, self.num_kv_heads, self.head_size)[:seq_len]
+            v = kv_cache[1, blocks].reshape(-1, self.num_kv_heads, self.head_size)[:seq_len]
+            k = k.float().repeat_interleave(group, dim=1)            # [S, H, D]
+            v = v.float().repeat_interleave(group, dim=1)
+            q = query[start:end].float()                            # [Q, H, D]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            if self.logits_soft_cap:
+                scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+            k_pos = torch.arange(seq_len).unsqueeze(0)
+            allowed = k_pos <= q_pos
+            if self.sliding_window is not None:
+                allowed &= k_pos > q_pos - self.sliding_window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        return out

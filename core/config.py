@@ -1,0 +1,110 @@
+"""One configuration tree for the engine, built alike from the CLI and from `LLM(...)` kwargs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    model: Optional[str] = None          # path to a .gguf file or an HF directory; None = default model
+    tokenizer: Optional[str] = None      # HF directory with a tokenizer; default: from the model
+    dtype: str = "auto"                  # "auto" lets the platform choose (bf16 on CPUs with AVX512_BF16)
+    max_model_len: Optional[int] = None  # default: the model's context length
+    seed: int = 0
+    served_model_name: Optional[str] = None
+    quantization: Optional[str] = None   # None: as stored (GGUF blocks are dequantized at load)
+    trust_remote_code: bool = False
+    generation_config: str = "auto"      # "auto": apply generation_config.json defaults; "none": ignore
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: Optional[int] = None      # bytes for the KV pool (CPU); None = platform default
+    gpu_memory_utilization: float = 0.9        # share of device memory (GPU-like platforms)
+    kv_cache_dtype: str = "auto"
+    num_gpu_blocks_override: Optional[int] = None  # force the block count (tests, debugging)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None   # default decided in EngineConfig.finalize
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0          # 0 = no cap per prefill chunk beyond the budget
+    policy: str = "fcfs"                           # "fcfs" | "priority"
+    max_waiting_requests: Optional[int] = None     # the server refuses with 503 beyond this
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"                  # platform name, or "auto" for the best available
+    attention_backend: Optional[str] = None   # explicit backend name; None = platform preference
+    enforce_eager: bool = False           # skip graph capture / compilation
+    graph_capture: Optional[str] = None   # override the platform's default strategy by name
+    num_threads: Optional[int] = None     # CPU intra-op threads; None = all cores
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to their section."""
+        config = cls()
+        sections = [config.model, config.cache, config.scheduler, config.parallel, config.device]
+        # `device` is both a section and its one important field: accept the flat name.
+        for key, value in kwargs.items():
+            for section in sections:
+                if key in {f.name for f in dataclasses.fields(section)}:
+                    setattr(section, key, value)
+                    break
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.cache.block_size <= 0 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.cache.block_size}")
+        if self.scheduler.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.scheduler.max_num_seqs}")
+        if self.scheduler.max_num_batched_tokens is not None and self.scheduler.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.scheduler.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.scheduler.policy!r}")
+        if self.scheduler.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.cache.kv_cache_memory is not None and self.cache.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.model.max_model_len is not None and self.model.max_model_len <= 0:
+            raise ValueError("max_model_len must be positive")
+        if self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1:
+            raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 are not supported yet")
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill defaults that depend on the loaded model."""
+        if self.model.max_model_len is None:
+            self.model.max_model_len = model_max_len
+        elif self.model.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={self.model.max_model_len} exceeds the model's context length {model_max_len}")
+        if self.scheduler.max_num_batched_tokens is None:
+            self.scheduler.max_num_batched_tokens = (
+                2048 if self.scheduler.enable_chunked_prefill else max(2048, self.model.max_model_len))

@@ -1,0 +1,158 @@
+"""Per-request sampling parameters, validated at construction (ValueError names the field)."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    max_tokens: Optional[int] = 16      # None: until max_model_len
+    min_tokens: int = 0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None      # top-k logprobs per generated token (0 = only the sampled one)
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    # Fields the caller set explicitly; generation_config.json defaults never override them.
+    _explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = {f.name for f in fields(self) if f.name != "_explicit"}
+        for f in fields(self):
+            if f.name == "_explicit":
+                continue
+            setattr(self, f.name, copy.copy(f.default))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            setattr(self, key, value)
+        self._explicit = frozenset(kwargs)
+        self._normalize_and_validate()
+
+    # ---------------------------------------------------------------- validation
+    def _normalize_and_validate(self) -> None:
+        def bad(param: str, message: str) -> ValueError:
+            err = ValueError(f"{param} {message}")
+            err.param = param  # type: ignore[attr-defined]
+            return err
+
+        def number(param: str, value: Any, integer: bool = False) -> None:
+            ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+            if isinstance(value, bool) or not ok:
+                raise bad(param, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+
+        number("n", self.n, integer=True)
+        if self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise bad("temperature", f"must be non-negative, got {self.temperature}")
+        number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        number("top_k", self.top_k, integer=True)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            number("seed", self.seed, integer=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}")
+        if self.max_tokens is not None:
+            number("max_tokens", self.max_tokens, integer=True)
+            if self.max_tokens < 1:
+                raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None:
+            number("logprobs", self.logprobs, integer=True)
+            if self.logprobs < 0:
+                raise bad("logprobs", f"must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            number("prompt_logprobs", self.prompt_logprobs, integer=True)
+            if self.prompt_logprobs < 0:
+                raise bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a mapping of token id to bias")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise bad("logit_bias", "must map integer token ids to numbers") from None
+            for bias in self.logit_bias.values():
+                if not -100.0 <= bias <= 100.0:
+                    raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def is_explicit(self, name: str) -> bool:
+        return name in self._explicit
+
+    def with_generation_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """A copy with the model's generation_config defaults for every field the caller left unset."""
+        mapping = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        updates = {}
+        for src, dst in mapping.items():
+            if src in defaults and defaults[src] is not None and dst not in self._explicit:
+                updates[dst] = defaults[src]
+        if not updates:
+            return self
+        clone = self.clone()
+        for key, value in updates.items():
+            setattr(clone, key, value)
+        clone._normalize_and_validate()
+        return clone
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)

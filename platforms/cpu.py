@@ -1,0 +1,104 @@
+"""The CPU platform: always available; KV pool sized from a RAM budget."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, blocks_from_budget,
+                        resolve_dtype)
+
+logger = logging.getLogger("tokenmill.platforms.cpu")
+
+DEFAULT_KV_SHARE = 0.25          # of available RAM, when kv_cache_memory is not given
+DEFAULT_KV_CAP = 4 << 30         # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB)
+
+
+def available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_has_fast_bf16() -> bool:
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class CpuMemoryProfiler(MemoryProfiler):
+    def __init__(self, available_bytes: Callable[[], int] = available_ram_bytes) -> None:
+        self._available_bytes = available_bytes
+
+    def budget_bytes(self, kv_cache_memory: int | None) -> int:
+        if kv_cache_memory is not None:
+            return kv_cache_memory
+        return min(DEFAULT_KV_CAP, int(self._available_bytes() * DEFAULT_KV_SHARE))
+
+    def num_kv_blocks(self, config, bytes_per_block, profile_forward):
+        return blocks_from_budget(self.budget_bytes(config.cache.kv_cache_memory), bytes_per_block)
+
+
+class TorchCompileCapture(GraphCapture):
+    name = "torch.compile"
+
+    def wrap(self, forward, runner):
+        return torch.compile(forward, dynamic=True)
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    torch_device = "cpu"
+    priority = 0
+    dispatch_key = "cpu"
+
+    @classmethod
+    def probe(cls) -> Availability:
+        return Availability.yes(f"{os.cpu_count()} cores")
+
+    def attention_backends(self) -> list[str]:
+        return ["cpu_sdpa", "reference"]
+
+    def memory_profiler(self) -> MemoryProfiler:
+        return CpuMemoryProfiler()
+
+    def graph_capture_strategies(self) -> list[str]:
+        return ["none", "torch.compile"]
+
+    def graph_capture(self, config) -> GraphCapture:
+        choice = config.device.graph_capture or "none"
+        if config.device.enforce_eager or choice == "none":
+            return GraphCapture()
+        if choice == "torch.compile":
+            return TorchCompileCapture()
+        raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
+                         f"(offers {self.graph_capture_strategies()})")
+
+    def distributed_backend(self) -> str:
+        return "gloo"
+
+    def check_and_update_config(self, config) -> None:
+        resolve_dtype(config.model.dtype, torch.float32)  # validates the name
+        if config.model.dtype == "auto":
+            config.model.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+        if config.model.dtype == "float16":
+            raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")
+        threads = config.device.num_threads or os.cpu_count() or 1
+        torch.set_num_threads(threads)
