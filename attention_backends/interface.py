@@ -141,9 +141,93 @@ class AttentionBackend:
         raise NotImplementedError
 
 
+FP8_KV_CACHE_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV-cache tensor: `dtype` for "auto", else the named fp8 format.
+
+    fp8 caches are unscaled (scale 1.0): values are cast on write and cast back on read.
+    """
+    if kv_cache_dtype in ("auto", None, ""):
+        return dtype
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        name = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+        if not hasattr(torch, name):
+            raise ValueError(f"kv cache dtype {kv_cache_dtype!r} needs torch.{name}, missing in torch {torch.__version__}")
+        return getattr(torch, name)
+    raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r} (known: auto, {', '.join(FP8_KV_CACHE_DTYPES)})")
+
+
+class AttentionBackendUnavailable(ValueError):
+    """An explicitly requested backend cannot run the requested configuration."""
+
+    def __init__(self, backend: str, reasons: list[str]) -> None:
+        self.backend = backend
+        self.reasons = list(reasons)
+        super().__init__(f"attention backend {backend!r} cannot run here: " + "; ".join(self.reasons))
+
+
+def check_backend(cls: type, config: AttentionConfig) -> None:
+    """Raise AttentionBackendUnavailable (a ValueError) listing every reason `cls` cannot run `config`."""
+    reasons = cls.validate(config)
+    if reasons:
+        raise AttentionBackendUnavailable(cls.name or cls.__name__, reasons)
+
+
+def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, device: "torch.device | str" = "cpu",
+                   num_decodes: Optional[int] = None) -> AttentionMetadata:
+    """AttentionMetadata from per-sequence host lists (decodes must come first).
+
+    block_tables[i] lists sequence i's physical blocks in order; it must cover seq_lens[i].
+    The slot mapping covers each sequence's new tokens (positions seq_len - query_len ... seq_len - 1).
+    """
+    assert len(query_lens) == len(seq_lens) == len(block_tables)
+    if num_decodes is None:
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    slots: list[int] = []
+    for q, s, table in zip(query_lens, seq_lens, block_tables):
+        if len(table) * block_size < s:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {s} tokens")
+        for pos in range(s - q, s):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max([len(t) for t in block_tables] + [1])
+    bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        if table:
+            bt[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        block_tables=bt.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_decodes=num_decodes,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+    )
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter this step's keys/values into their paged slots (the default cache layout)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
+    key, value = key.to(flat.dtype), value.to(flat.dtype)
+    if flat.element_size() == 1 and flat.dtype != torch.uint8:   # fp8: index_copy_ has no fp8 kernel on CPU
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)

@@ -11,6 +11,7 @@ class ReferenceAttention(AttentionBackend):
     supported_devices = ("cpu", "cuda", "rocm", "xpu", "tpu", "neuron")
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: unscaled cast on write
     supported_graph_modes = ("none",)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):

@@ -2,8 +2,17 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
+
+
+# Fields whose default is not None and for which None has no meaning of its own.
+_NONE_MEANS_UNSET = frozenset({
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+})
 
 
 @dataclass
@@ -38,11 +47,17 @@ class SamplingParams:
             if f.name == "_explicit":
                 continue
             setattr(self, f.name, copy.copy(f.default))
+        explicit = set()
         for key, value in kwargs.items():
             if key not in names:
                 raise ValueError(f"unknown sampling parameter {key!r}")
+            # None for a field whose None has no meaning (e.g. temperature=None from an API request
+            # that left it out) means "unset": the default applies and generation_config may fill it.
+            if value is None and key in _NONE_MEANS_UNSET:
+                continue
             setattr(self, key, value)
-        self._explicit = frozenset(kwargs)
+            explicit.add(key)
+        self._explicit = frozenset(explicit)
         self._normalize_and_validate()
 
     # ---------------------------------------------------------------- validation
@@ -56,6 +71,13 @@ class SamplingParams:
             ok = isinstance(value, int) if integer else isinstance(value, (int, float))
             if isinstance(value, bool) or not ok:
                 raise bad(param, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+            if not integer and not math.isfinite(value):
+                raise bad(param, f"must be finite, got {value!r}")
+
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"must be a boolean, got {getattr(self, name)!r}")
 
         number("n", self.n, integer=True)
         if self.n < 1:
@@ -121,7 +143,11 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise bad("logit_bias", "must map integer token ids to numbers") from None
+            if any(k < 0 for k in self.logit_bias):
+                raise bad("logit_bias", "token ids must be non-negative")
             for bias in self.logit_bias.values():
+                if not math.isfinite(bias):
+                    raise bad("logit_bias", f"values must be finite, got {bias}")
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
 

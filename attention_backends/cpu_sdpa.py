@@ -1,0 +1,161 @@
+"""The fast CPU backend: batched decode and per-sequence prefill on torch's fused SDPA kernel.
+
+Decodes (the first `num_decodes` sequences, one query token each) run as one batch: their
+blocks are gathered through the block table with a single `index_select`, the query is viewed
+as [B, Hkv, group, D] so grouped-query attention needs no `repeat_interleave`, and one
+`scaled_dot_product_attention` call with a padding mask covers all of them.
+
+Prefill chunks run one sequence at a time. A chunk that is the whole context (it starts at
+position 0) attends to its own new keys/values with `is_causal=True`, no gather at all; a chunk
+after cached context gathers that sequence's blocks and uses a causal mask offset by the cached
+length.
+
+Per-step derived tensors (gather indices, masks) are built once and kept on the metadata
+object, so the 30-odd layers of one step share them.
+
+Logits soft-capping has no SDPA equivalent, so it takes a plain-matmul path with a float32
+softmax (correct, slower). KV cache layout is the default one.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .interface import AttentionBackend, AttentionMetadata, write_kv
+
+_CACHE_ATTR = "_cpu_sdpa_step_cache"
+
+
+def _step_cache(metadata: AttentionMetadata, block_size: int, sliding_window: Optional[int],
+                device: torch.device) -> dict:
+    """Tensors that depend only on the batch layout, built on the first layer of a step."""
+    cache = getattr(metadata, _CACHE_ATTR, None)
+    nd = metadata.num_decodes
+    # Keyed on everything it derives from, so a metadata object mutated in place is still safe.
+    key = (sliding_window, block_size, nd, tuple(metadata.seq_lens_cpu[:nd]))
+    if (cache is not None and cache["key"] == key and cache["block_tables"] is metadata.block_tables
+            and cache["seq_lens"] is metadata.seq_lens):
+        return cache
+    cache = {"key": key, "block_tables": metadata.block_tables, "seq_lens": metadata.seq_lens}
+    if nd:
+        lens = metadata.seq_lens_cpu[:nd]
+        max_len = max(lens)
+        nblk = (max_len + block_size - 1) // block_size
+        cache["decode_nblk"] = nblk
+        cache["decode_max_len"] = max_len
+        cache["decode_index"] = metadata.block_tables[:nd, :nblk].reshape(-1).to(torch.long)
+        if min(lens) == max_len and sliding_window is None:
+            cache["decode_mask"] = None          # all the same length: nothing to mask
+        else:
+            pos = torch.arange(max_len, device=device).unsqueeze(0)
+            seq = metadata.seq_lens[:nd].to(device=device, dtype=torch.long).unsqueeze(1)
+            allowed = pos < seq
+            if sliding_window is not None:
+                allowed &= pos > seq - 1 - sliding_window
+            cache["decode_mask"] = allowed.view(nd, 1, 1, max_len)
+    try:
+        setattr(metadata, _CACHE_ATTR, cache)
+    except (AttributeError, TypeError):   # a frozen or slotted metadata: just recompute
+        pass
+    return cache
+
+
+class CpuSdpaAttention(AttentionBackend):
+    name = "cpu_sdpa"
+    supported_devices = ("cpu",)
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supports_gqa = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supported_graph_modes = ("none", "torch.compile")
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        num_tokens = metadata.num_tokens
+        out = torch.empty_like(query[:num_tokens])
+        if num_tokens == 0:
+            return out
+        step = _step_cache(metadata, metadata.block_size, self.sliding_window, query.device)
+        nd = metadata.num_decodes
+        if nd:
+            out[:nd] = self._decode(query[:nd], kv_cache, metadata, step)
+        qsl = metadata.query_start_loc_cpu
+        for i in range(nd, metadata.num_seqs):
+            start, end = qsl[i], qsl[i + 1]
+            if end > start:
+                out[start:end] = self._prefill(query[start:end], key[start:end], value[start:end],
+                                               kv_cache, metadata, i)
+        return out
+
+    # -- decode: one batched call ------------------------------------------------------------
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
+                step: dict) -> torch.Tensor:
+        nd = q.shape[0]
+        hkv, d = self.num_kv_heads, self.head_size
+        group = self.num_heads // hkv
+        max_len = step["decode_max_len"]
+        kv = kv_cache.index_select(1, step["decode_index"])      # [2, nd*nblk, bs, Hkv, D]
+        kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)
+        k = kv[0].transpose(1, 2)                                 # [nd, Hkv, S, D] (a view)
+        v = kv[1].transpose(1, 2)
+        q4 = q.view(nd, hkv, group, d)                            # group folded into the query axis
+        mask = step["decode_mask"]
+        if self.logits_soft_cap:
+            o = self._attend_manual(q4, k, v, mask)
+        else:
+            o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
+        return o.reshape(nd, self.num_heads, d)
+
+    # -- prefill: one sequence -----------------------------------------------------------------
+    def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 kv_cache: torch.Tensor, metadata: AttentionMetadata, i: int) -> torch.Tensor:
+        q_len = q.shape[0]
+        seq_len = metadata.seq_lens_cpu[i]
+        ctx = seq_len - q_len
+        hkv, d = self.num_kv_heads, self.head_size
+        group = self.num_heads // hkv
+        simple = self.sliding_window is None and not self.logits_soft_cap
+        if ctx == 0 and simple:
+            k, v = k_new, v_new
+            if kv_cache.dtype != q.dtype:                          # read what the cache holds
+                k = k.to(kv_cache.dtype).to(q.dtype)
+                v = v.to(kv_cache.dtype).to(q.dtype)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                               is_causal=True, scale=self.scale,
+                                               enable_gqa=group > 1)   # [H, Q, D]
+            return o.transpose(0, 1)
+        bs = metadata.block_size
+        nblk = (seq_len + bs - 1) // bs
+        idx = metadata.block_tables[i, :nblk].to(torch.long)
+        kv = kv_cache.index_select(1, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
+        if kv.dtype != q.dtype:
+            kv = kv.to(q.dtype)
+        q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        allowed = k_pos <= q_pos                                   # causal, offset by the cached context
+        if self.sliding_window is not None:
+            allowed &= k_pos > q_pos - self.sliding_window
+        if self.logits_soft_cap:
+            qh = q.view(q_len, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
+            kh = kv[0].transpose(0, 1).unsqueeze(1)                # [Hkv, 1, S, D]
+            vh = kv[1].transpose(0, 1).unsqueeze(1)
+            o = self._attend_manual(qh, kh, vh, allowed)           # [Hkv, G, Q, D]
+            return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
+                                           attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
+        return o.transpose(0, 1)
+
+    def _attend_manual(self, q, k, v, allowed):
+        """q [..., Q, D] against k/v [..., S, D] (broadcast over heads), float32 softmax."""
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        if self.logits_soft_cap:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, v.float()).to(q.dtype)

@@ -1,0 +1,70 @@
+"""Rotary position embedding (HF "rotate half" layout) with a precomputed cos/sin table.
+
+Rope parameters come from the HF config in either spelling: transformers 5 keeps them in
+`config.rope_parameters` (rope_theta, rope_type, scaling factors); older configs use
+`rope_theta` + `rope_scaling`. Non-default inverse frequencies are computed by transformers'
+own ROPE_INIT_FUNCTIONS so they match HF bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+# Rope types whose frequencies depend on the current sequence length; a fixed table can't do them.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_parameters(config: Any) -> dict:
+    """The rope settings of an HF config as one dict with at least rope_theta and rope_type."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        # Per-layer-type rope (e.g. sliding vs full attention): our models use one.
+        params = params.get("full_attention") or next(iter(params.values()))
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0, dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.half = head_size // 2
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(torch.float32))          # [P, D/2], float32 as in HF
+        # cos | sin side by side, so one gather per step fetches both; stored in the model dtype
+        # because HF casts cos/sin to the activations' dtype before rotating.
+        cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+        self.register_buffer("cos_sin_cache", cache.to(dtype or torch.float32), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, n_heads, D] (any heads: pass q and k stacked to rotate both at once) -> rotated copy."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        x1, x2 = x[..., :self.half], x[..., self.half:]
+        # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the HF rotate_half form, same rounding.
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[torch.dtype]) -> RotaryEmbedding:
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    if rope_type == "default":
+        base = float(params["rope_theta"])
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        scaling = 1.0
+    elif rope_type in _DYNAMIC_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (its frequencies change with sequence length)")
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"unknown rope type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return RotaryEmbedding(head_size, max_position, inv_freq, float(scaling), dtype)

@@ -1,0 +1,156 @@
+"""Turns a scheduled batch into one flattened forward pass over the paged KV cache.
+
+Owns the KV pool (sized by the platform's memory profiler) and the forward callable (wrapped by
+the platform's graph-capture strategy). Device-neutral: every device question goes to the platform.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.attention_backends.interface import AttentionMetadata
+
+from .config import EngineConfig
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+logger = logging.getLogger("tokenmill.model_runner")
+
+
+@dataclass
+class ForwardResult:
+    logits: Optional[torch.Tensor]           # [num_sampled, vocab] float32: last token of each caught-up sequence
+    sampled_seqs: list[Sequence]
+    # seq_id -> (first position of the chunk, logits [chunk_len, vocab]) for prompt_logprobs requests
+    prompt_logits: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.config = config
+        self.platform = platform
+        self.model = model
+        self.dtype = dtype
+        self.device = platform.device()
+        self.block_size = config.cache.block_size
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_model_len = config.model.max_model_len
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        self.layers = list(model.attention_layers)
+        impl = self.layers[0].impl
+        self.num_kv_heads, self.head_size = impl.num_kv_heads, impl.head_size
+        self.backend_cls = type(impl)
+        self.kv_cache_dtype = dtype  # fp8 KV caches are a backend capability; "auto" = model dtype
+
+        self.bytes_per_block = self._bytes_per_block()
+        override = config.cache.num_gpu_blocks_override
+        if override is not None:
+            self.num_blocks = override
+        else:
+            self.num_blocks = platform.memory_profiler().num_kv_blocks(
+                config, self.bytes_per_block, self._profile_forward)
+        if self.num_blocks <= 0:
+            raise ValueError(
+                f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
+                f"(raise kv_cache_memory / gpu_memory_utilization)")
+        self._allocate_kv_cache(self.num_blocks)
+        self.forward = platform.graph_capture(config).wrap(self._forward_eager, self)
+
+    # ------------------------------------------------------------------ KV pool
+    def _bytes_per_block(self) -> int:
+        shape = self.backend_cls.kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_size)
+        element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return math.prod(shape) * element * len(self.layers)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
+        for layer in self.layers:
+            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+
+    def _profile_forward(self) -> None:
+        """One dummy forward at the step's token budget, for profilers that measure peak memory."""
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        num_blocks = math.ceil(num_tokens / self.block_size)
+        saved = [layer.kv_cache for layer in self.layers]
+        self._allocate_kv_cache(num_blocks)
+        meta = self._metadata([num_tokens], [num_tokens], [list(range(num_blocks))],
+                              list(range(num_tokens)), num_decodes=0)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self._forward_eager(ids, pos, meta)
+            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs):])
+        self.platform.synchronize()
+        for layer, cache in zip(self.layers, saved):
+            layer.kv_cache = cache
+
+    # ------------------------------------------------------------------ a step
+    def _forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def _metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                  slots: list[int], num_decodes: int) -> AttentionMetadata:
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        width = max(len(bt) for bt in block_tables)
+        padded = [bt + [0] * (width - len(bt)) for bt in block_tables]
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> ForwardResult:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, chunk start pos, first row, count
+        row = 0
+        for seq, n in batch.entries:
+            start = seq.num_computed_tokens
+            end = start + n
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == seq.num_tokens:          # caught up: this step yields its next token
+                sample_rows.append(row + n - 1)
+                sampled.append(seq)
+            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                prompt_rows.append((seq, start, row, min(end, seq.num_prompt_tokens - 1) - start))
+            row += n
+
+        dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = self._metadata(query_lens, seq_lens, tables, slots, batch.num_decodes)
+        hidden = self.forward(ids_t, pos_t, meta)
+        logits = None
+        if sample_rows:
+            index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+            logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+        prompt_logits = {}
+        for seq, start, first, count in prompt_rows:
+            if count > 0:
+                prompt_logits[seq.seq_id] = (start, self.model.compute_logits(hidden[first:first + count]).float())
+        return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits)

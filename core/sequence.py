@@ -1,0 +1,85 @@
+"""A sequence: one stream of tokens being generated (a request with n > 1 owns n of them)."""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any, Optional
+
+from .sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token state plus what the block manager and scheduler need to know about it."""
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, priority: int = 0) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.index = index
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0      # tokens whose K/V sit in the cache
+        self.num_cached_tokens = 0        # of the prompt, found in the prefix cache at first schedule
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full block, in order
+        self.num_preemptions = 0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+        # Filled by the engine.
+        self.generator: Any = None
+        self.detokenizer: Any = None
+        self.logprobs: Optional[list[dict[int, float]]] = None
+        self.cumulative_logprob: Optional[float] = None
+        self.prompt_logprobs: Optional[list] = None
+
+    # ------------------------------------------------------------------ views
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One token left to compute and it is a generated one (or the last prompt token after a cache hit)."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    def sort_key(self) -> tuple:
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={len(self.token_ids)}, "
+                f"computed={self.num_computed_tokens}, status={self.status.value})")

@@ -1,0 +1,89 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(conversations, ...)`."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from tokenmill.core.config import EngineConfig
+from tokenmill.core.engine import LLMEngine, PromptType
+from tokenmill.core.outputs import RequestOutput
+from tokenmill.core.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline batch inference. Keyword arguments are engine arguments (see core/config.py)."""
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; one SamplingParams for all or one per prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, priority)
+
+    def chat(self, messages: Union[Conversation, list[Conversation]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            token_ids = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=chat_template, **template_kwargs)
+            if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+                token_ids = token_ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
+             priority: Optional[list[int]]) -> list[RequestOutput]:
+        engine = self.engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = f"llm-{next(self._ids)}"
+                engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                order[request_id] = i
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+        results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,89 @@
+"""GGUF (llama.cpp) storage formats: float tensors and ggml block quantizations.
+
+Weights are dequantized once at load time (numerics of `gguf.quants.dequantize`, the
+reference implementation shipped with llama.cpp's Python package), then run as dense
+tensors in the model's dtype.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as _gguf_dequantize
+
+from .interface import QuantizationMethod, register_quantization_method
+
+QType = GGMLQuantizationType
+
+# Stored as plain values: read them without the generic numpy path.
+_FLOAT_TYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+# Block formats we test against gguf's reference (tests/test_gguf_quant.py).
+_BLOCK_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
+                QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
+SUPPORTED_TYPES: tuple[QType, ...] = tuple(_FLOAT_TYPES) + _BLOCK_TYPES
+
+
+def qtype_name(qtype: Union[int, QType]) -> str:
+    try:
+        return QType(qtype).name
+    except ValueError:
+        return f"ggml type {int(qtype)}"
+
+
+def check_supported(qtype: Union[int, QType], tensor_name: str = "") -> QType:
+    """The qtype as an enum; ValueError naming the type when we cannot dequantize it."""
+    try:
+        q = QType(qtype)
+    except ValueError:
+        q = None
+    if q not in SUPPORTED_TYPES:
+        where = f" (tensor {tensor_name!r})" if tensor_name else ""
+        raise ValueError(f"unsupported GGUF tensor type {qtype_name(qtype)}{where}; "
+                         f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+    return q
+
+
+def stored_nbytes(qtype: Union[int, QType], num_elements: int) -> int:
+    """Bytes that `num_elements` values of this type occupy in a GGUF file."""
+    block_elems, block_bytes = GGML_QUANT_SIZES[QType(qtype)]
+    if num_elements % block_elems:
+        raise ValueError(f"{num_elements} elements is not a whole number of {qtype_name(qtype)} blocks")
+    return num_elements // block_elems * block_bytes
+
+
+def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...],
+               tensor_name: str = "") -> torch.Tensor:
+    """Raw bytes of one GGUF tensor (any array of uint8, or already-typed values) -> float32 [shape].
+
+    `shape` is in torch order (outermost first), i.e. the reverse of GGUF's `ne`.
+    """
+    q = check_supported(qtype, tensor_name)
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    num_elements = int(np.prod(shape)) if shape else 1
+    if raw.size != stored_nbytes(q, num_elements):
+        raise ValueError(f"tensor {tensor_name!r}: {raw.size} bytes do not hold {num_elements} "
+                         f"{q.name} values")
+    if q in _FLOAT_TYPES:
+        # torch reads bf16 natively (numpy has no bf16), and this skips a float32 numpy copy.
+        values = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[q])
+        return values.to(torch.float32).reshape(shape)
+    block_bytes = GGML_QUANT_SIZES[q][1]
+    rows = raw.reshape(-1, block_bytes)
+    out = _gguf_dequantize(rows, q)      # float32 [num_blocks, block_elems]
+    return torch.from_numpy(out).reshape(shape)
+
+
+class GGUFQuantization(QuantizationMethod):
+    """GGUF tensors, dequantized to dense weights at load time."""
+    name = "gguf"
+
+    def supported_types(self) -> list[str]:
+        return [t.name for t in SUPPORTED_TYPES]
+
+    def dequantize(self, data, qtype, shape) -> torch.Tensor:
+        return dequantize(data, qtype, tuple(shape))
+
+
+register_quantization_method("gguf", GGUFQuantization)
