@@ -62,6 +62,25 @@ def _step_cache(metadata: AttentionMetadata, block_size: int, sliding_window: Op
     return cache
 
 
+def _gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor, step: Optional[dict] = None) -> torch.Tensor:
+    """kv_cache[:, index] for the [2, num_blocks, ...] layout, as one dim-0 `index_select` over a
+    [2 * num_blocks, block elements] view (about twice as fast as selecting along dim 1)."""
+    if not kv_cache.is_contiguous():
+        return kv_cache.index_select(1, index)
+    num_blocks = kv_cache.shape[1]
+    both = None
+    if step is not None:
+        both = step.get(("both", num_blocks))
+    if both is None:
+        both = torch.cat([index, index + num_blocks])
+        if step is not None:
+            step[("both", num_blocks)] = both
+    flat = kv_cache.view(2 * num_blocks, -1)
+    if flat.dtype.itemsize == 1 and flat.dtype != torch.uint8:   # fp8: select the raw bytes
+        return flat.view(torch.uint8).index_select(0, both).view(flat.dtype).view(2, index.numel(), *kv_cache.shape[2:])
+    return flat.index_select(0, both).view(2, index.numel(), *kv_cache.shape[2:])
+
+
 class CpuSdpaAttention(AttentionBackend):
     name = "cpu_sdpa"
     supported_devices = ("cpu",)
@@ -97,18 +116,21 @@ class CpuSdpaAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
         max_len = step["decode_max_len"]
-        kv = kv_cache.index_select(1, step["decode_index"])      # [2, nd*nblk, bs, Hkv, D]
+        kv = _gather_blocks(kv_cache, step["decode_index"], step)  # [2, nd*nblk, bs, Hkv, D]
         kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
         if kv.dtype != q.dtype:
             kv = kv.to(q.dtype)
         k = kv[0].transpose(1, 2)                                 # [nd, Hkv, S, D] (a view)
         v = kv[1].transpose(1, 2)
-        q4 = q.view(nd, hkv, group, d)                            # group folded into the query axis
         mask = step["decode_mask"]
         if self.logits_soft_cap:
+            q4 = q.view(nd, hkv, group, d)                        # group folded into the query axis
             o = self._attend_manual(q4, k, v, mask)
         else:
-            o = F.scaled_dot_product_attention(q4, k, v, attn_mask=mask, scale=self.scale)
+            # [B, H, 1, D] against [B, Hkv, S, D]: SDPA's own GQA (head h reads KV head h // group),
+            # measured faster than folding the group into the query axis.
+            o = F.scaled_dot_product_attention(q.view(nd, self.num_heads, 1, d), k, v, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=group > 1)
         return o.reshape(nd, self.num_heads, d)
 
     # -- prefill: one sequence -----------------------------------------------------------------
@@ -125,14 +147,14 @@ class CpuSdpaAttention(AttentionBackend):
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = k.to(kv_cache.dtype).to(q.dtype)
                 v = v.to(kv_cache.dtype).to(q.dtype)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                is_causal=True, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
-            return o.transpose(0, 1)
+            return o[0].transpose(0, 1)
         bs = metadata.block_size
         nblk = (seq_len + bs - 1) // bs
         idx = metadata.block_tables[i, :nblk].to(torch.long)
-        kv = kv_cache.index_select(1, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
+        kv = _gather_blocks(kv_cache, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
         if kv.dtype != q.dtype:
             kv = kv.to(q.dtype)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
@@ -146,9 +168,9 @@ class CpuSdpaAttention(AttentionBackend):
             vh = kv[1].transpose(0, 1).unsqueeze(1)
             o = self._attend_manual(qh, kh, vh, allowed)           # [Hkv, G, Q, D]
             return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kv[0].transpose(0, 1), kv[1].transpose(0, 1),
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
                                            attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _attend_manual(self, q, k, v, allowed):
         """q [..., Q, D] against k/v [..., S, D] (broadcast over heads), float32 softmax."""

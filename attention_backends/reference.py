@@ -33,8 +33,8 @@ class ReferenceAttention(AttentionBackend):
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
             if self.logits_soft_cap:
                 scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-            q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-            k_pos = torch.arange(seq_len).unsqueeze(0)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
             allowed = k_pos <= q_pos
             if self.sliding_window is not None:
                 allowed &= k_pos > q_pos - self.sliding_window

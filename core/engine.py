@@ -153,7 +153,7 @@ class LLMEngine:
             raise prompt_error("prompt_token_ids must be a list of integers")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise prompt_error(f"token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+            raise prompt_error(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         return list(ids)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,

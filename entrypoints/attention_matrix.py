@@ -121,28 +121,35 @@ def _normalize_contribution(contrib) -> dict:
 def load_backends(extra: Optional[dict] = None) -> tuple[dict, dict]:
     """Every attention backend class known here, and the ones that failed to load (name -> error).
 
-    Discovery first (so plugin backends join automatically), then built-ins it does not list,
-    then `tokenmill.plugins` entry points called directly, then `extra` (name -> class/target).
+    From plugin discovery (built-ins plus plugin-contributed backends, so these join
+    automatically); built-ins discovery does not list are loaded directly, and where discovery
+    is unavailable `tokenmill.plugins` entry points are asked directly. `extra` (name -> class or
+    "module:Class") adds backends programmatically.
     """
     backends: dict = {}
     errors: dict = {}
+    discovered_plugins = False
     try:
         from tokenmill.plugins import discovery
         backends.update(discovery.attention_backend_classes())
+        if hasattr(discovery, "attention_backend_errors"):
+            errors.update(discovery.attention_backend_errors())
+            discovered_plugins = hasattr(discovery, "plugin_manager")
     except Exception as exc:   # discovery not ready or broken: fall back to the built-ins
         errors["<discovery>"] = f"{type(exc).__name__}: {exc}"
-    targets: dict = {n: t for n, t in BUILTIN_BACKENDS.items() if n not in backends}
-    for name, target in _plugin_entry_point_backends(errors).items():
-        if name not in backends:
-            targets[name] = target
+    targets: dict = {n: t for n, t in BUILTIN_BACKENDS.items() if n not in backends and n not in errors}
+    if not discovered_plugins:
+        for name, target in _plugin_entry_point_backends(errors).items():
+            if name not in backends:
+                targets[name] = target
     for name, target in (extra or {}).items():
         targets[name] = target
     for name, target in targets.items():
         try:
             backends[name] = _load_target(target)
+            errors.pop(name, None)
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
-    errors.pop("<discovery>", None) if backends else None
     return backends, errors
 
 

@@ -9,9 +9,12 @@ How it works
 * One graph per size is captured (largest first, sharing one memory pool) the first time a
   decode-only batch arrives, or eagerly through `CudaGraphRunner.capture_all()`.
 * A decode-only batch (every sequence has query length 1) of n <= the largest size is padded
-  to the next captured size B: its tensors are copied into the static buffers, the padding
-  sequences get seq_len 1, a block table pointing at the runner's pad block and slot
-  `pad_slot_id`; the graph is replayed and rows [:n] of its output are returned (a copy).
+  to the next captured size B: its tensors are copied into the static buffers and the graph is
+  replayed; rows [:n] of its output are returned (a copy). Padding rows either
+  - use the runner's `pad_slot_id` (a KV slot no sequence owns, e.g. in a reserved null block):
+    seq_len 1, block table -> that block; or, when the runner has none,
+  - repeat the last real row exactly (same token, position, context, slot): they compute the
+    same key/value as that row and write it to the same slot, so nothing is disturbed.
 * Anything else (prefill chunks, mixed batches, more tokens than the largest size, block tables
   wider than max_blocks_per_seq) runs the eager forward.
 
@@ -21,10 +24,11 @@ the host-side fields (num_seqs, num_decodes, max_query_len, max_seq_len, *_cpu l
 fixed at capture to the padded size and upper bounds (max_seq_len = max_blocks_per_seq *
 block_size) and may only be used as such.
 
-What the runner must expose: max_num_seqs, block_size, max_blocks_per_seq, device, and
-pad_slot_id (a KV slot no sequence ever owns, e.g. in a reserved null block 0). Without
-pad_slot_id only batches whose size is exactly a captured size are replayed. Optionally
-attn_backend (class or instance): if it does not list "cuda_graphs", capture is skipped.
+What the runner must expose: max_num_seqs, block_size, max_blocks_per_seq, device; optionally
+pad_slot_id, and attn_backend or backend_cls (if it does not list "cuda_graphs" in
+supported_graph_modes, `wrap` returns the eager forward). Graphs are captured lazily at the
+first decode batch, replicating one of its real rows (so the warm-up writes only what that row
+writes anyway); `capture_all()` may also be called at start-up, before any KV is live.
 """
 from __future__ import annotations
 
@@ -62,6 +66,13 @@ def is_decode_only(meta: AttentionMetadata, num_tokens: int) -> bool:
     return num_seqs > 0 and meta.num_decodes == num_seqs == num_tokens and meta.max_query_len == 1
 
 
+def _first_row(meta: AttentionMetadata) -> AttentionMetadata:
+    return AttentionMetadata(
+        query_start_loc=meta.query_start_loc[:2], seq_lens=meta.seq_lens[:1], block_tables=meta.block_tables[:1],
+        slot_mapping=meta.slot_mapping[:1], num_decodes=1, max_query_len=1, max_seq_len=meta.max_seq_len,
+        block_size=meta.block_size, query_start_loc_cpu=[0, 1], seq_lens_cpu=list(meta.seq_lens_cpu[:1]))
+
+
 class CudaGraphRunner:
     """The callable `CudaGraphCapture.wrap` returns: replays graphs for decode batches."""
 
@@ -85,9 +96,6 @@ class CudaGraphRunner:
         self.num_replays = 0
         self.num_eager = 0
         self._buffers_ready = False
-        if self.pad_slot_id is None:
-            logger.warning("the model runner exposes no pad_slot_id: CUDA graphs replay only batches whose "
-                           "size is exactly a captured size (%s)", self.sizes)
 
     # ------------------------------------------------------------------ buffers and metadata
     def _alloc(self) -> None:
@@ -121,29 +129,48 @@ class CudaGraphRunner:
         if width < self.max_blocks_per_seq:
             self.block_tables[:n, width:].fill_(self.pad_block)
         if b > n:
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.seq_lens[n:b].fill_(1)
-            self.slot_mapping[n:b].fill_(self.pad_slot_id)
-            self.block_tables[n:b].fill_(self.pad_block)
+            if self.pad_slot_id is not None:
+                self.input_ids[n:b].zero_()
+                self.positions[n:b].zero_()
+                self.seq_lens[n:b].fill_(1)
+                self.slot_mapping[n:b].fill_(self.pad_slot_id)
+                self.block_tables[n:b].fill_(self.pad_block)
+            else:
+                self._repeat_row(n - 1, n, b)
 
-    def _reset_padding(self) -> None:
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.seq_lens.fill_(1)
-        self.block_tables.fill_(self.pad_block)
-        self.slot_mapping.fill_(self.pad_slot_id or 0)
+    def _repeat_row(self, src: int, start: int, stop: int) -> None:
+        k = stop - start
+        for buf in (self.input_ids, self.positions, self.seq_lens, self.slot_mapping):
+            buf[start:stop].copy_(buf[src].expand(k))
+        self.block_tables[start:stop].copy_(self.block_tables[src].expand(k, -1))
+
+    def _capture_inputs(self, template) -> None:
+        """What the warm-up and capture runs see: a real row repeated, the pad slot, or (start-up) slot 0."""
+        if template is not None:
+            ids, pos, meta = template
+            self._fill(1, ids[:1], pos[:1], _first_row(meta))
+            self._repeat_row(0, 1, self.max_size)
+        else:
+            self.input_ids.zero_()
+            self.positions.zero_()
+            self.seq_lens.fill_(1)
+            self.block_tables.fill_(self.pad_block)
+            self.slot_mapping.fill_(self.pad_slot_id or 0)
 
     # ---------------------------------------------------------------------------- capture
-    def capture_all(self) -> None:
-        """Capture one graph per size, largest first, sharing one memory pool."""
+    def capture_all(self, template: Optional[tuple] = None) -> None:
+        """Capture one graph per size, largest first, sharing one memory pool.
+
+        `template` = (input_ids, positions, metadata) of a real decode batch whose first row the
+        warm-up replicates; without it (start-up) the warm-up writes to pad_slot_id or slot 0."""
         if self.captured:
             return
         mod = self._mod()
-        with torch.inference_mode():
-            if not self._buffers_ready:
+        if not self._buffers_ready:
+            with torch.inference_mode(False):   # normal tensors: updatable in and out of inference mode
                 self._alloc()
-            self._reset_padding()
+        with torch.inference_mode():
+            self._capture_inputs(template)
             mod.synchronize()
             pool = mod.graph_pool_handle()
             for b in reversed(self.sizes):
@@ -173,7 +200,7 @@ class CudaGraphRunner:
             return self.forward(input_ids, positions, attn_metadata)
         if not self.captured:
             try:
-                self.capture_all()
+                self.capture_all((input_ids, positions, attn_metadata))
             except Exception as exc:   # a backend that cannot be captured: say so once, run eagerly
                 self.capture_failed = f"{type(exc).__name__}: {exc}"
                 logger.warning("CUDA graph capture failed (%s); running eagerly", self.capture_failed)
@@ -182,10 +209,12 @@ class CudaGraphRunner:
                 self.num_eager += 1
                 return self.forward(input_ids, positions, attn_metadata)
         n = input_ids.shape[0]
-        self._fill(b, input_ids, positions, attn_metadata)
-        self.graphs[b].replay()
+        with torch.inference_mode():
+            self._fill(b, input_ids, positions, attn_metadata)
+            self.graphs[b].replay()
+            out = self.outputs[b][:n].clone()
         self.num_replays += 1
-        return self.outputs[b][:n].clone()
+        return out
 
     def _replay_size(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> Optional[int]:
         if self.capture_failed:
@@ -195,10 +224,7 @@ class CudaGraphRunner:
             return None
         if meta.block_tables.shape[1] > self.max_blocks_per_seq:
             return None
-        b = padded_batch_size(n, self.sizes)
-        if b != n and self.pad_slot_id is None:
-            return None
-        return b
+        return padded_batch_size(n, self.sizes)
 
 
 class CudaGraphCapture(GraphCapture):
@@ -211,7 +237,7 @@ class CudaGraphCapture(GraphCapture):
         self.max_capture_size = max_capture_size
 
     def wrap(self, forward, runner):
-        backend = getattr(runner, "attn_backend", None)
+        backend = getattr(runner, "attn_backend", None) or getattr(runner, "backend_cls", None)
         modes = getattr(backend, "supported_graph_modes", None)
         if modes is not None and self.name not in modes:
             logger.warning("attention backend %r does not support CUDA graphs (supports %s): running eagerly",

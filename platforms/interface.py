@@ -75,6 +75,11 @@ class Platform:
     def graph_capture(self, config: "EngineConfig") -> GraphCapture:
         return GraphCapture()
 
+    def graph_capture_name(self, config: "EngineConfig") -> str:
+        """The strategy `graph_capture(config)` will use ("none", "torch.compile", "cuda_graphs",
+        "xla"): what the runner puts in AttentionConfig.graph_capture."""
+        return self.graph_capture(config).name
+
     def graph_capture_strategies(self) -> list[str]:
         """Names of the strategies this platform offers, default first (for `tokenmill platforms`)."""
         return ["none"]
@@ -96,11 +101,14 @@ class Platform:
         torch.manual_seed(seed)
 
     def describe(self) -> dict[str, Any]:
+        """What `tokenmill platforms` shows. Must not touch the device (it runs for unavailable ones)."""
         return {
             "name": self.name, "api_version": self.api_version, "torch_device": self.torch_device,
-            "priority": self.priority, "attention_backends": self.attention_backends(),
+            "priority": self.priority, "dispatch_key": self.dispatch_key,
+            "attention_backends": self.attention_backends(),
             "graph_capture": self.graph_capture_strategies(),
             "distributed_backend": self.distributed_backend(),
+            "description": (type(self).__doc__ or "").strip().splitlines()[0] if type(self).__doc__ else "",
         }
 
 
@@ -120,3 +128,15 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int) -> int:
     if bytes_per_block <= 0:
         raise ValueError("bytes_per_block must be positive")
     return max(0, int(budget_bytes) // bytes_per_block)
+
+
+def choose_graph_capture(config: "EngineConfig", platform_name: str, offered: list[str], default: str) -> str:
+    """The strategy name to use: "none" under enforce_eager, else the requested one (ValueError if
+    the platform does not offer it), else the platform's default."""
+    if config.device.enforce_eager:
+        return "none"
+    choice = config.device.graph_capture or default
+    if choice not in offered:
+        raise ValueError(f"graph_capture {choice!r} is not offered by the {platform_name} platform "
+                         f"(offers {offered})")
+    return choice

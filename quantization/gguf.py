@@ -69,9 +69,9 @@ def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...
         # torch reads bf16 natively (numpy has no bf16), and this skips a float32 numpy copy.
         values = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[q])
         return values.to(torch.float32).reshape(shape)
-    block_bytes = GGML_QUANT_SIZES[q][1]
-    rows = raw.reshape(-1, block_bytes)
-    out = _gguf_dequantize(rows, q)      # float32 [num_blocks, block_elems]
+    # One row holding every block: gguf.quants loops in Python over groups of 16 rows, so
+    # handing it the tensor's natural rows (or single blocks) costs seconds per model.
+    out = _gguf_dequantize(raw.reshape(1, -1), q)      # float32 [1, num_elements]
     return torch.from_numpy(out).reshape(shape)
 
 

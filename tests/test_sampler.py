@@ -1,5 +1,4 @@
 """Sampler: greedy, top-k/top-p/min-p support, seeds, penalties, bias, min_tokens, logprobs."""
-import math
 
 import pytest
 import torch
@@ -87,7 +86,7 @@ def test_unrestricted_sampling_follows_distribution():
 
 def test_temperature_sharpens():
     probs = torch.tensor([0.6, 0.4] + [0.0] * (V - 2)) + 1e-12
-    cold = sample_many(probs.log(), SamplingParams(temperature=0.1), times=1000)
+    cold = sample_many(probs.log(), SamplingParams(temperature=0.05), times=1000)
     assert cold.count(0) > 990
 
 
@@ -108,9 +107,6 @@ def test_seed_reproducible_and_batch_independent():
                 row(temperature=1.0, top_k=5)]
         batch.append(Sampler()(logits, rows).token_ids[3])
     assert alone == batch
-    # A different seed gives a different sequence (with overwhelming probability over 4 steps x 32).
-    other = row(SamplingParams(temperature=1.0, seed=99, top_p=0.95))
-    assert [Sampler()(s[:1], [other]).token_ids[0] for s in steps] != alone or True
 
 
 def test_seed_sequences_differ_between_seeds():
@@ -173,7 +169,7 @@ def test_frequency_and_presence_penalties():
     # prompt tokens are not penalized by frequency/presence
     assert Sampler()(logits, [row(temperature=0.0, presence_penalty=2.0, prompt=[1])]).token_ids == [1]
     # negative penalties encourage
-    assert Sampler()(logits, [row(temperature=0.0, presence_penalty=-1.0, output=[3])]).token_ids == [3]
+    assert Sampler()(logits, [row(temperature=0.0, presence_penalty=-1.5, output=[3])]).token_ids == [3]
 
 
 def test_penalties_only_on_their_rows():
@@ -219,7 +215,7 @@ def test_prompt_logprobs():
     chunk1 = compute_prompt_logprobs(logits[:2], prompt, 2, start=0)
     extra = torch.cat([logits[2:], torch.randn(1, V)])
     chunk2 = compute_prompt_logprobs(extra, prompt, 2, start=2)
-    assert chunk1 + chunk2 == pytest.approx(res) if False else [c for c in chunk1 + chunk2] == res
+    assert chunk1 + chunk2 == res
     assert compute_prompt_logprobs(torch.randn(0, V), [5], 1) == [None]
     only = compute_prompt_logprobs(logits, prompt, 0)
     assert all(set(e) == {prompt[i]} for i, e in enumerate(only) if e is not None)
@@ -237,3 +233,58 @@ def test_large_batch_shapes():
     for i in range(0, 64, 3):   # greedy rows equal the argmax of the (penalized) logits
         if rows[i].params.repetition_penalty == 1.0:
             assert out.token_ids[i] == int(logits[i].argmax())
+
+
+def _nucleus(logits_row, top_p):
+    probs = logits_row.softmax(-1)
+    vals, idx = probs.sort(descending=True)
+    before = vals.cumsum(-1) - vals
+    return set(idx[before < top_p].tolist())
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.5, 0.01])     # candidate tiers: topk 256, topk 4096, full sort
+def test_top_p_large_vocab_all_tiers(scale):
+    torch.manual_seed(5)
+    v = 6000
+    logits = torch.randn(1, v) * scale
+    nucleus = _nucleus(logits[0], 0.8)
+    sampler = Sampler(generator=torch.Generator().manual_seed(0))
+    rows = [row(temperature=1.0, top_p=0.8) for _ in range(300)]
+    toks = sampler(logits.expand(300, -1).contiguous(), rows).token_ids
+    assert set(toks) <= nucleus
+    if len(nucleus) < 20:
+        assert set(toks) == nucleus or len(set(toks)) >= len(nucleus) - 2
+
+
+def test_top_k_then_top_p_renormalized():
+    # top_p applies to the distribution after top_k (vLLM order).
+    probs = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1] + [0.0] * (V - 5)) + 1e-12
+    # after top_k=2: [0.545, 0.455]; top_p=0.5 keeps only token 0
+    assert set(sample_many(probs.log(), SamplingParams(top_k=2, top_p=0.5))) == {0}
+    # top_k=3 then top_p=0.6: [0.4, 0.333, 0.267] -> keeps {0, 1}
+    assert set(sample_many(probs.log(), SamplingParams(top_k=3, top_p=0.6))) == {0, 1}
+
+
+def test_seeded_batch_independence_large_vocab():
+    torch.manual_seed(9)
+    v = 6000
+    steps = [torch.randn(4, v) * 1.5 for _ in range(3)]
+    mk = lambda: row(temperature=0.9, top_p=0.7, min_p=0.01, seed=42)   # noqa: E731
+    alone_row, batch_row = mk(), mk()
+    alone = [Sampler()(s[:1], [alone_row]).token_ids[0] for s in steps]
+    batch = []
+    for s in steps:
+        logits = s.clone()
+        logits[2] = s[0]
+        rows = [row(temperature=1.0, top_k=300), row(temperature=0.5, top_p=0.99), batch_row,
+                row(temperature=1.0, seed=1)]
+        batch.append(Sampler()(logits, rows).token_ids[2])
+    assert alone == batch
+
+
+def test_out_of_vocab_history_tokens_ignored():
+    logits = torch.zeros(1, V)
+    logits[0, V - 1] = 1.0
+    r = row(temperature=0.0, repetition_penalty=5.0, presence_penalty=2.0, frequency_penalty=1.0,
+            prompt=[V + 10], output=[V + 3, V + 3])
+    assert Sampler()(logits, [r]).token_ids == [V - 1]

@@ -29,6 +29,15 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self._kernel = None
+        self._prepared = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        if self._kernel is None:
+            return F.linear(hidden, self.weight).float()
+        return self._kernel(hidden, self._prepared, None).float()
+
+    def use_kernel(self, kernel) -> None:
+        """See Linear.use_kernel. The embedding keeps using the plain (possibly shared) weight."""
+        self._kernel = kernel
+        self._prepared = None if kernel is None else kernel.prepare(self.weight)

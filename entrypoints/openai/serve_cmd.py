@@ -1,0 +1,142 @@
+"""`tokenmill serve [MODEL] --device …`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from ..engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("tokenmill.serve")
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+
+
+def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).")
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use for the model; the first is reported in responses and metrics "
+                            "(default: the model file or directory stem)")
+    group.add_argument("--api-key", action="append", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1 routes and /tokenize, /detokenize; "
+                            f"repeat for several valid keys (rotation). Also read from ${API_KEY_ENV} "
+                            f"(comma-separated)")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="refuse new requests with 503 + Retry-After while this many are waiting")
+    group.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                       help="refuse larger request bodies with 413 (default 8 MiB)")
+    group.add_argument("--shutdown-timeout", type=float, default=5.0,
+                       help="on Ctrl-C, seconds in-flight requests get to finish before they are aborted")
+    group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    group.add_argument("--engine-startup-timeout", type=float, default=None,
+                       help="give up if the engine has not loaded the model after this many seconds")
+    group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)   # module:callable, for tests
+    parser.set_defaults(func=run)
+    return parser
+
+
+def api_keys_from(args: argparse.Namespace) -> list[str]:
+    keys = [k for k in (args.api_key or []) if k]
+    env = os.environ.get(API_KEY_ENV, "")
+    keys += [k.strip() for k in env.split(",") if k.strip()]
+    return list(dict.fromkeys(keys))
+
+
+def _server_class() -> type:
+    import asyncio
+    import contextlib
+    import signal
+    import threading
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, plus: drain in-flight requests on shutdown, and exit normally (status 0) after
+        SIGINT/SIGTERM instead of re-raising the signal once shut down."""
+
+        def __init__(self, config: Any, state: Any, drain_timeout: float) -> None:
+            super().__init__(config)
+            self._state = state
+            self._drain_timeout = drain_timeout
+            self._drain_task: Any = None
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._state.drain(self._drain_timeout))
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _Server(config: Any, state: Any, drain_timeout: float) -> Any:
+    return _server_class()(config, state, drain_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import ServerSettings, create_app
+    from .engine_client import EngineClient
+
+    kwargs = engine_kwargs(args)
+    names = args.served_model_name or []
+    if names:
+        kwargs["served_model_name"] = names[0]
+    if args.max_waiting_requests is not None:
+        if args.max_waiting_requests < 0:
+            raise SystemExit("--max-waiting-requests must be >= 0")
+        kwargs["max_waiting_requests"] = args.max_waiting_requests
+    keys = api_keys_from(args)
+    log_level = logging.getLogger().getEffectiveLevel()
+
+    client = EngineClient(kwargs, factory=args.engine_factory, log_level=log_level)
+    try:
+        info = client.start(timeout=args.engine_startup_timeout)
+    except KeyboardInterrupt:
+        client.shutdown()
+        return 130
+    except Exception as exc:
+        client.shutdown()
+        logger.error("%s", exc)
+        return 1
+    try:
+        logger.info("model %s (served as %s), max_model_len %d", info.model_path or "(default)",
+                    ", ".join(names) if names else info.model_name, info.max_model_len)
+        logger.info("platform: %s; attention backend: %s", info.platform, info.attention_backend)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d-token requests: "
+                    "%.2fx; max_num_seqs %d", info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
+                    info.max_model_len, info.max_concurrency, info.max_num_seqs)
+        if keys:
+            logger.info("API key required (%d key%s)", len(keys), "" if len(keys) == 1 else "s")
+        settings = ServerSettings(served_model_names=names or [info.model_name], api_keys=keys,
+                                  max_waiting_requests=args.max_waiting_requests,
+                                  max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port)
+        app = create_app(client, settings)
+        # uvicorn's own deadline is a backstop: the app aborts what is left after --shutdown-timeout itself.
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=max(log_level, logging.INFO),
+                                access_log=not args.disable_access_log,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+        server = _Server(config, app.state, args.shutdown_timeout)
+        server.run()
+        return 0
+    finally:
+        client.shutdown()
+        logger.info("server stopped")

@@ -1,0 +1,93 @@
+"""`tokenmill platforms`: every discovered platform, available or not and why, plus general plugins."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_subparser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "platforms", help="list discovered platforms: available or not (and why), attention backends, "
+                          "graph capture, distributed backend",
+        description="List every platform found through the tokenmill.platforms entry points (built in or "
+                    "from installed plugins), whether it can run here and why not, and the general plugins.")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(func=run)
+
+
+def collect() -> dict[str, Any]:
+    from tokenmill.plugins import discovery
+
+    reports = discovery.discover_platforms()
+    backends = discovery.attention_backend_classes()
+    backend_errors = discovery.attention_backend_errors()
+    usable = sorted((r for r in reports if r.usable), key=lambda r: -(r.priority or 0))
+    platforms = []
+    for r in reports:
+        entry = r.to_dict()
+        desc = r.description or {}
+        entry["attention_backends"] = [
+            {"name": b, "loaded": b in backends, **({"error": backend_errors[b]} if b in backend_errors else {})}
+            for b in desc.get("attention_backends", [])]
+        entry["graph_capture"] = desc.get("graph_capture", [])
+        entry["distributed_backend"] = desc.get("distributed_backend")
+        platforms.append(entry)
+    return {
+        "platforms": platforms,
+        "auto": usable[0].name if usable else None,
+        "plugins": [p.to_dict() for p in discovery.plugin_reports()],
+        "attention_backends": {"loaded": sorted(backends), "failed": backend_errors},
+    }
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def render(data: dict[str, Any]) -> str:
+    header = ["PLATFORM", "ORIGIN", "API", "PRIO", "AVAILABLE", "ATTENTION (preference order)",
+              "GRAPH CAPTURE", "DISTRIBUTED"]
+    rows = [header]
+    notes: list[str] = []
+    for p in data["platforms"]:
+        if p["load_error"]:
+            status = "skipped"
+        else:
+            status = "yes" if p["available"] else "no"
+        attention = ", ".join(b["name"] + ("" if b["loaded"] else "*") for b in p["attention_backends"]) or "-"
+        rows.append([p["name"], p["origin"], str(p["api_version"] if p["api_version"] is not None else "?"),
+                     str(p["priority"] if p["priority"] is not None else "-"), status, attention,
+                     ", ".join(p["graph_capture"]) or "-", p["distributed_backend"] or "-"])
+        notes.append(f"  {p['name']}: {p['reason']}" if p["reason"] else f"  {p['name']}")
+    lines = _table(rows)
+    lines.append("")
+    lines.append("Why / details:")
+    lines.extend(notes)
+    if any(not b["loaded"] for p in data["platforms"] for b in p["attention_backends"]):
+        lines.append("  (* attention backend not loaded here: " + "; ".join(
+            f"{name}: {err}" for name, err in sorted(data["attention_backends"]["failed"].items())) + ")")
+    lines.append("")
+    lines.append(f"--device auto -> {data['auto'] or 'nothing available'}")
+    if data["plugins"]:
+        lines.append("")
+        lines.append("General plugins (tokenmill.plugins):")
+        for plugin in data["plugins"]:
+            state = "loaded" if plugin["loaded"] else "failed"
+            hooks = ", ".join(plugin["hooks"]) or "no hooks"
+            lines.append(f"  {plugin['name']} ({plugin['origin']}): {state}; {hooks}")
+            for err in plugin["errors"]:
+                lines.append(f"    error: {err}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    data = collect()
+    if getattr(args, "json", False):
+        json.dump(data, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render(data))
+    return 0

@@ -1,0 +1,177 @@
+"""Shared test helpers: a single-sequence AttentionMetadata with its KV caches, and tiny
+random-weight HF checkpoints. Import with sys.path insertion of tests/ (tests have no __init__)."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from tokenmill.attention_backends.interface import AttentionMetadata
+
+
+def single_sequence_metadata(num_tokens: int, block_size: int = 16, start_pos: int = 0) -> AttentionMetadata:
+    """Metadata for one sequence whose tokens start_pos..start_pos+num_tokens-1 are all scheduled
+    (a prefill when start_pos == 0). Blocks are 0, 1, 2, ... so slot == position."""
+    seq_len = start_pos + num_tokens
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
+        slot_mapping=torch.arange(start_pos, seq_len, dtype=torch.int64),
+        num_decodes=1 if num_tokens == 1 and start_pos > 0 else 0,
+        max_query_len=num_tokens,
+        max_seq_len=seq_len,
+        block_size=block_size,
+        query_start_loc_cpu=[0, num_tokens],
+        seq_lens_cpu=[seq_len],
+    )
+
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int = 16,
+                       dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
+    """Give every attention layer of `model` its own zeroed KV cache; returns them."""
+    caches = []
+    for layer in model.attention_layers:
+        shape = type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        cache = torch.zeros(shape, dtype=dtype or next(model.parameters()).dtype)
+        layer.kv_cache = cache
+        caches.append(cache)
+    return caches
+
+
+@torch.no_grad()
+def run_prompt(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Run token_ids through `model` as one prefill; float32 logits [len(token_ids), vocab]."""
+    n = len(token_ids)
+    allocate_kv_caches(model, (n + block_size - 1) // block_size + 1, block_size)
+    meta = single_sequence_metadata(n, block_size)
+    hidden = model(torch.tensor(token_ids, dtype=torch.long), torch.arange(n, dtype=torch.long), meta)
+    return model.compute_logits(hidden)
+
+
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+
+
+def tiny_config(kind: str, **overrides):
+    """A small random-weight config of one architecture: llama, llama3 (rope scaling), mistral,
+    qwen2, qwen3."""
+    import transformers
+    dims = dict(TINY_DIMS)
+    if kind == "llama3":
+        dims["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        dims["rope_theta"] = 500000.0
+        kind_cls = transformers.LlamaConfig
+    else:
+        kind_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[kind]
+    if kind == "qwen3":
+        dims["head_dim"] = 16
+    dims.update(overrides)
+    return kind_cls(**dims)
+
+
+def save_tiny_checkpoint(kind: str, directory: str, seed: int = 0, max_shard_size: Optional[str] = None,
+                         **overrides):
+    """Build a random-weight transformers model of `kind`, save it (safetensors) to `directory`;
+    returns the float32 transformers model for reference outputs."""
+    import transformers
+    torch.manual_seed(seed)
+    config = tiny_config(kind, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so their loading is tested.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    tiny_tokenizer(config.vocab_size).save_pretrained(directory)
+    return model
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_tokenizer(vocab_size: int = 1000):
+    """A word-level tokenizer over vocab_size ids (w0, w1, ...), with </s> = 2 and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"w{i}": i for i in range(len(specials), vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", additional_special_tokens=specials[3:],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def hf_last_logits(model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf's LlamaModel.permute (interleaves each head's rotary halves)."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def write_tiny_gguf(hf_model, path: str, arch: str) -> None:
+    """Write an HF model as a float32 GGUF the way llama.cpp's converter lays it out
+    (names, Q/K permutation for llama, no output.weight when tied). Metadata only covers
+    the network, not a tokenizer."""
+    import gguf
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(path, arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    if cfg.rope_parameters.get("rope_type", "default") == "llama3":
+        # llama.cpp stores llama3 scaling as per-frequency divisors of the default frequencies
+        base = cfg.rope_parameters["rope_theta"]
+        default = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        writer.add_tensor("rope_freqs.weight", (default / hf_model.model.rotary_emb.inv_freq).float().numpy())
+    for name, tensor in hf_model.state_dict().items():
+        tensor = tensor.float()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, _, kind = rest.rpartition(".")
+            gguf_name = f"blk.{layer}.{_GGUF_BLOCK_NAMES[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                tensor = _llama_cpp_permute(tensor, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                tensor = _llama_cpp_permute(tensor, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
