@@ -550,6 +550,16 @@ def write_markdown(path: str, runs: list[dict], notes_text: str = "") -> None:
         f.write("\n".join(parts))
 
 
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if "attention-matrix" in argv:
+        argv = argv[argv.index("attention-matrix") + 1:]
+    else:   # python -m tokenmill.entrypoints.attention_matrix ...
+        argv = argv[1:]
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "PJRT_DEVICE") if os.environ.get(k))
+    return (env + " " if env else "") + "tokenmill attention-matrix " + " ".join(argv)
+
+
 def run(args) -> int:
     device = args.device
     if device == "cpu":
@@ -605,8 +615,7 @@ def run(args) -> int:
                                     for b, s in summ.items()) + f"  ({time.perf_counter() - t0:.0f}s)")
     run_record = {
         "title": args.title,
-        "command": "tokenmill attention-matrix " + " ".join(sys.argv[2:] if len(sys.argv) > 2 and
-                                                             sys.argv[1] == "attention-matrix" else []),
+        "command": _command_line(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "grid": args.grid, "seed": args.seed, "environment": environment_info(device),
         "tolerances": TOLERANCES, "load_errors": load_errors, "results": dicts,
