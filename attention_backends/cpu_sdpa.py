@@ -55,6 +55,7 @@ def _step_cache(metadata: AttentionMetadata, block_size: int, sliding_window: Op
             if sliding_window is not None:
                 allowed &= pos > seq - 1 - sliding_window
             cache["decode_mask"] = allowed.view(nd, 1, 1, max_len)
+    cache["cascade"] = _shared_prefix_plan(metadata, block_size, sliding_window, device) if nd else None
     try:
         setattr(metadata, _CACHE_ATTR, cache)
     except (AttributeError, TypeError):   # a frozen or slotted metadata: just recompute
@@ -79,6 +80,57 @@ def _gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor, step: Optional[d
     if flat.dtype.itemsize == 1 and flat.dtype != torch.uint8:   # fp8: select the raw bytes
         return flat.view(torch.uint8).index_select(0, both).view(flat.dtype).view(2, index.numel(), *kv_cache.shape[2:])
     return flat.index_select(0, both).view(2, index.numel(), *kv_cache.shape[2:])
+
+
+CASCADE_MIN_TOKENS = 128   # a shared prefix shorter than this is cheaper to gather per sequence
+
+
+def _shared_prefix_plan(metadata: AttentionMetadata, block_size: int, sliding_window: Optional[int],
+                        device: torch.device) -> Optional[dict]:
+    """When all decodes start with the same physical blocks (prefix caching at work), attend to
+    those blocks once for all queries and only gather each sequence's own suffix (cascade
+    attention). None when there is no worthwhile shared prefix."""
+    nd = metadata.num_decodes
+    if nd < 2 or sliding_window is not None:
+        return None
+    lens = metadata.seq_lens_cpu[:nd]
+    limit = (min(lens) - 1) // block_size          # every sequence keeps >= 1 token of its own
+    if limit * block_size < CASCADE_MIN_TOKENS:
+        return None
+    tables = metadata.block_tables[:nd, :limit]
+    same = (tables == tables[:1]).all(0).to(torch.int32)
+    shared_blocks = int(same.cumprod(0).sum())
+    if shared_blocks * block_size < CASCADE_MIN_TOKENS:
+        return None
+    prefix_len = shared_blocks * block_size
+    suffix_lens = [n - prefix_len for n in lens]
+    max_suffix = max(suffix_lens)
+    suffix_blocks = (max(lens) + block_size - 1) // block_size - shared_blocks
+    plan = {
+        "prefix_index": tables[0, :shared_blocks].to(torch.long),
+        "prefix_len": prefix_len,
+        "suffix_index": metadata.block_tables[:nd, shared_blocks:shared_blocks + suffix_blocks]
+        .reshape(-1).to(torch.long),
+        "suffix_blocks": suffix_blocks,
+        "max_suffix": max_suffix,
+        "suffix_mask": None,
+    }
+    if min(suffix_lens) != max_suffix:
+        pos = torch.arange(max_suffix, device=device).unsqueeze(0)
+        allowed = pos < torch.tensor(suffix_lens, device=device).unsqueeze(1)
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+        plan["suffix_mask"] = mask.masked_fill_(~allowed, float("-inf")).view(nd, 1, 1, max_suffix)
+    return plan
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA over [B, H, L, D] that also returns the log-sum-exp of each query's scores."""
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return out, lse
 
 
 class CpuSdpaAttention(AttentionBackend):
@@ -116,6 +168,9 @@ class CpuSdpaAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
         max_len = step["decode_max_len"]
+        if step.get("cascade") is not None and not self.logits_soft_cap and q.dtype == kv_cache.dtype:
+            q4 = q.view(nd, hkv, group, d)
+            return self._decode_cascade(q4, kv_cache, step["cascade"]).reshape(nd, self.num_heads, d)
         kv = _gather_blocks(kv_cache, step["decode_index"], step)  # [2, nd*nblk, bs, Hkv, D]
         kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
         if kv.dtype != q.dtype:
@@ -132,6 +187,24 @@ class CpuSdpaAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q.view(nd, self.num_heads, 1, d), k, v, attn_mask=mask,
                                                scale=self.scale, enable_gqa=group > 1)
         return o.reshape(nd, self.num_heads, d)
+
+    def _decode_cascade(self, q4: torch.Tensor, kv_cache: torch.Tensor, plan: dict) -> torch.Tensor:
+        """Shared prefix once for all queries, then each suffix, merged by log-sum-exp."""
+        nd, hkv, group, d = q4.shape
+        prefix = kv_cache.index_select(1, plan["prefix_index"]).view(2, plan["prefix_len"], hkv, d)
+        qp = q4.permute(1, 0, 2, 3).reshape(1, hkv, nd * group, d)          # every query, one batch
+        out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
+                                        prefix[1].transpose(0, 1).unsqueeze(0), None, self.scale)
+        out_p = out_p.view(hkv, nd, group, d).transpose(0, 1)               # [nd, Hkv, G, D]
+        lse_p = lse_p.view(hkv, nd, group).transpose(0, 1)
+        suffix = kv_cache.index_select(1, plan["suffix_index"])
+        suffix = suffix.view(2, nd, -1, hkv, d)[:, :, :plan["max_suffix"]]
+        out_s, lse_s = _attend_with_lse(q4, suffix[0].transpose(1, 2), suffix[1].transpose(1, 2),
+                                        plan["suffix_mask"], self.scale)
+        top = torch.maximum(lse_p, lse_s)
+        w_p = torch.exp(lse_p - top).unsqueeze(-1)
+        w_s = torch.exp(lse_s - top).unsqueeze(-1)
+        return ((out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)).to(q4.dtype)
 
     # -- prefill: one sequence -----------------------------------------------------------------
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -71,21 +71,31 @@ class BlockManager:
             return
         max_blocks = (seq.num_tokens - 1) // self.block_size
         self.prefix_cache_queries += seq.num_tokens
-        parent: Optional[int] = None
+        hashes = self.full_block_hashes(seq)
         for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, tokens)
+            h = hashes[i]
             block_id = self.hash_to_block.get(h)
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             self._take(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
-            parent = h
         cached = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
         self.prefix_cache_hits += cached
+
+    def full_block_hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of every full block of seq's tokens (memoized while the tokens grow)."""
+        memo = getattr(seq, "_full_block_hashes", None)
+        if memo is None:
+            memo = seq._full_block_hashes = []
+        num_full = seq.num_tokens // self.block_size
+        for i in range(len(memo), num_full):
+            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            memo.append(chain_hash(memo[-1] if memo else None, tokens))
+        return memo
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every newly filled block of `seq` (after its tokens were computed)."""

@@ -102,6 +102,7 @@ class LLMEngine:
         bind_attention_backend(bundle.model, backend_cls)
         self.attention_backend_name = backend_cls.name
 
+        self.platform.prepare_model(bundle.model, config)
         self.runner = ModelRunner(config, self.platform, bundle.model, self.dtype)
         self.num_kv_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size,

@@ -83,11 +83,17 @@ class Scheduler:
             budget -= num_new
 
         # 2. New prefills, unless this step already had to preempt.
+        pending = self._blocks_being_computed() if self.block_manager.enable_prefix_caching else set()
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             if not seq.block_table:
                 self.block_manager.match_prefix(seq)
+            if pending and self._waits_for_pending_prefix(seq, pending):
+                # Its next block is being computed by a running sequence: admitted next step,
+                # it reuses that block instead of computing the same prefix a second time.
+                self._undo_prefix_match(seq)
+                break
             num_new = seq.num_uncomputed_tokens
             if threshold:
                 num_new = min(num_new, threshold)
@@ -99,6 +105,8 @@ class Scheduler:
                 self._undo_prefix_match(seq)
                 break
             self.waiting.pop(0)
+            if self.block_manager.enable_prefix_caching:
+                pending.update(self._uncomputed_prompt_hashes(seq))
             self.block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -111,6 +119,22 @@ class Scheduler:
         batch.entries = decodes + [e for e in entries if e[1] != 1]
         batch.num_decodes = len(decodes)
         return batch
+
+    def _uncomputed_prompt_hashes(self, seq: Sequence) -> list[int]:
+        hashes = self.block_manager.full_block_hashes(seq)[:seq.num_prompt_tokens // self.block_manager.block_size]
+        return hashes[seq.num_computed_tokens // self.block_manager.block_size:]
+
+    def _blocks_being_computed(self) -> set[int]:
+        pending: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                pending.update(self._uncomputed_prompt_hashes(seq))
+        return pending
+
+    def _waits_for_pending_prefix(self, seq: Sequence, pending: set[int]) -> bool:
+        hashes = self.block_manager.full_block_hashes(seq)
+        nxt = len(seq.block_table)
+        return nxt < (seq.num_tokens - 1) // self.block_manager.block_size and hashes[nxt] in pending
 
     def _undo_prefix_match(self, seq: Sequence) -> None:
         """A waiting sequence that could not be admitted must not pin cached blocks meanwhile."""

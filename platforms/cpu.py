@@ -12,6 +12,7 @@ from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, bl
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
 
+PACKED_MIN_ROWS = 16            # fp32: rows from which oneDNN's pre-packed GEMM wins
 DEFAULT_KV_SHARE = 0.25          # of available RAM, when kv_cache_memory is not given
 DEFAULT_KV_CAP = 4 << 30         # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB)
 
@@ -41,6 +42,10 @@ def cpu_flags() -> set[str]:
 def cpu_has_fast_bf16() -> bool:
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def cpu_has_amx() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 class CpuMemoryProfiler(MemoryProfiler):
@@ -94,10 +99,30 @@ class CpuPlatform(Platform):
     def distributed_backend(self) -> str:
         return "gloo"
 
+    def prepare_model(self, model, config) -> None:
+        """Pre-pack weights for oneDNN. Measured on this 2-core AVX-512 host (ms per decode step of
+        SmolLM2-135M's matmuls): fp32 rows=1 plain 9.0 vs packed 14.4; rows=64 plain 86.7 vs packed
+        71.3; bf16 packed beats plain at every size (6.4 vs 12.1 at rows=1). So fp32 keeps MKL's
+        plain GEMM for small batches and switches to packed ones from PACKED_MIN_ROWS rows."""
+        from .cpu_linear import LinearKernel, MkldnnPackedLinear, SizeDispatchLinear, apply_linear_kernel
+
+        if os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or MkldnnPackedLinear.available():
+            return
+        dtype = resolve_dtype(config.model.dtype, torch.float32)
+        if dtype == torch.float32:
+            kernel = SizeDispatchLinear(LinearKernel(), MkldnnPackedLinear(batch_hint=64), PACKED_MIN_ROWS)
+        elif dtype == torch.bfloat16:
+            kernel = MkldnnPackedLinear()
+        else:
+            return
+        apply_linear_kernel(model, kernel)
+
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name
         if config.model.dtype == "auto":
-            config.model.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
+            # bf16 only where the matrix units make it pay: on AVX512_BF16 without AMX, oneDNN's
+            # bf16 GEMM measured 154 GFLOP/s against 274 for fp32 (2 threads, 512x576x3072).
+            config.model.dtype = "bfloat16" if cpu_has_amx() else "float32"
         if config.model.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")
         threads = config.device.num_threads or os.cpu_count() or 1

@@ -90,6 +90,9 @@ class Platform:
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Fill platform defaults (dtype, block size) and refuse what cannot run here (ValueError)."""
 
+    def prepare_model(self, model: Any, config: "EngineConfig") -> None:
+        """After loading: re-lay out weights for this device's fastest kernels (optional)."""
+
     # Device services the core needs without naming a device API.
     def device(self) -> torch.device:
         return torch.device(self.torch_device)

@@ -163,7 +163,7 @@ def test_gguf_checkpoint_matches_transformers(tmp_path, kind, overrides):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_packed_linear_kernel_is_bitwise_in_bf16(tmp_path, tie):
-    from tokenmill.core.layers.linear_kernels import MkldnnPackedLinear, apply_linear_kernel
+    from tokenmill.platforms.cpu_linear import MkldnnPackedLinear, apply_linear_kernel
     if MkldnnPackedLinear.available():
         pytest.skip(MkldnnPackedLinear.available())
     save_tiny_checkpoint("llama", str(tmp_path), tie_word_embeddings=tie)

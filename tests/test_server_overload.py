@@ -99,10 +99,14 @@ def test_ctrl_c_shuts_down_cleanly(server):
     assert time.monotonic() - start < 30
     t.join(30)
     assert not t.is_alive()
-    for pid in children:
+    def gone(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                assert f.read().rsplit(")", 1)[1].split()[0] == "Z"   # at most an unreaped zombie
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"   # at most an unreaped zombie
         except FileNotFoundError:
-            pass
+            return True
+
+    # The server has exited; its children (engine, multiprocessing's resource tracker) must follow
+    # within a few seconds, not linger as orphans.
+    assert _wait(lambda: all(gone(pid) for pid in children), timeout=10), children
     assert "Traceback" not in server.log()

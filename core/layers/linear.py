@@ -35,7 +35,7 @@ class Linear(nn.Module):
         return self._kernel(x, self._prepared, self.bias)
 
     def use_kernel(self, kernel) -> None:
-        """Run matmuls through `kernel` (core/layers/linear_kernels.py) on a re-laid-out copy
+        """Run matmuls through `kernel` (e.g. platforms/cpu_linear.py) on a re-laid-out copy
         of the current weight; call after loading. None goes back to F.linear."""
         self._kernel = kernel
         self._prepared = None if kernel is None else kernel.prepare(self.weight)

@@ -1,4 +1,4 @@
-"""Optional matmul kernels a platform can swap into every Linear / LMHead after loading.
+"""CPU matmul kernels the cpu platform swaps into every Linear / LMHead after loading.
 
 The default is plain `F.linear`. A kernel may re-lay out the weight once (`prepare`) and then
 run each matmul on that form. Chosen by the platform (see `apply_linear_kernel`), never here.
@@ -32,6 +32,9 @@ class MkldnnPackedLinear(LinearKernel):
     bit-identical to F.linear in bf16 (float32 differs only by accumulation order)."""
     name = "mkldnn_packed"
 
+    def __init__(self, batch_hint: int = 1) -> None:
+        self.batch_hint = batch_hint   # oneDNN picks the packed layout for this many rows
+
     @classmethod
     def available(cls) -> Optional[str]:
         if not torch.backends.mkldnn.is_available():
@@ -43,7 +46,7 @@ class MkldnnPackedLinear(LinearKernel):
     def prepare(self, weight: torch.Tensor) -> Any:
         if weight.device.type != "cpu":
             raise ValueError("mkldnn packed linear runs on CPU tensors only")
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.batch_hint)
 
     def __call__(self, x, prepared, bias):
         if x.dim() != 2:
@@ -65,3 +68,25 @@ def apply_linear_kernel(model: nn.Module, kernel: LinearKernel) -> int:
             use(kernel)
             count += 1
     return count
+
+
+class SizeDispatchLinear(LinearKernel):
+    """Picks a kernel per call by the number of rows: one kernel for small batches (memory-bound
+    decode), another for large ones (compute-bound prefill and big decode batches). Both see
+    the same weight values, so only the accumulation order differs."""
+
+    def __init__(self, small: LinearKernel, large: LinearKernel, threshold: int) -> None:
+        self.small, self.large, self.threshold = small, large, threshold
+        self.name = f"{small.name}<{threshold}<={large.name}"
+
+    def available(self) -> Optional[str]:
+        return self.small.available() or self.large.available()
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return (self.small.prepare(weight), self.large.prepare(weight))
+
+    def __call__(self, x, prepared, bias):
+        rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+        if rows < self.threshold:
+            return self.small(x, prepared[0], bias)
+        return self.large(x, prepared[1], bias)
