@@ -79,7 +79,8 @@ class LLMEngine:
         self.config = config
         self.platform = discovery.resolve_platform(config.device.device)
         self.platform.check_and_update_config(config)
-        self.dtype = resolve_dtype(config.model.dtype, torch.float32)
+        self.weight_dtype = resolve_dtype(config.model.dtype, torch.float32)
+        self.dtype = self.platform.activation_dtype(self.weight_dtype)
         self.platform.set_seed(config.model.seed)
         start = time.perf_counter()
         bundle = load_model(config.model.model, config.model.tokenizer, dtype=self.dtype,
@@ -119,12 +120,19 @@ class LLMEngine:
         capacity = self.num_kv_blocks * config.cache.block_size
         logger.info(
             "model %s (%s) on platform %s, dtype %s, attention backend %s, loaded in %.1fs",
-            self.model_name, bundle.architecture, self.platform.name, str(self.dtype).replace("torch.", ""),
+            self.model_name, bundle.architecture, self.platform.name, self.dtype_description,
             self.attention_backend_name, time.perf_counter() - start)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency at "
                     "max_model_len=%d: %.2fx", self.num_kv_blocks, config.cache.block_size, capacity,
                     self.num_kv_blocks * self.runner.bytes_per_block / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
+
+    @property
+    def dtype_description(self) -> str:
+        weights = str(self.weight_dtype).replace("torch.", "")
+        if self.weight_dtype == self.dtype:
+            return weights
+        return f"{weights} weights, {str(self.dtype).replace('torch.', '')} activations"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":

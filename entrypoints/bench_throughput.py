@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**kwargs)
     engine = llm.engine
     header = (f"tokenmill {engine.model_name} on {engine.platform.name}, dtype "
-              f"{str(engine.dtype).replace('torch.', '')}, attention {engine.attention_backend_name}, "
+              f"{engine.dtype_description}, attention {engine.attention_backend_name}, "
               f"prefix caching {'on' if engine.config.cache.enable_prefix_caching else 'off'}")
     print(header)
     results: dict[str, Any] = {"engine": header, "workloads": {}}

@@ -12,7 +12,6 @@ from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, bl
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
 
-PACKED_MIN_ROWS = 16            # fp32: rows from which oneDNN's pre-packed GEMM wins
 DEFAULT_KV_SHARE = 0.25          # of available RAM, when kv_cache_memory is not given
 DEFAULT_KV_CAP = 4 << 30         # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB)
 
@@ -99,29 +98,30 @@ class CpuPlatform(Platform):
     def distributed_backend(self) -> str:
         return "gloo"
 
-    def prepare_model(self, model, config) -> None:
-        """Pre-pack weights for oneDNN. Measured on this 2-core AVX-512 host (ms per decode step of
-        SmolLM2-135M's matmuls): fp32 rows=1 plain 9.0 vs packed 14.4; rows=64 plain 86.7 vs packed
-        71.3; bf16 packed beats plain at every size (6.4 vs 12.1 at rows=1). So fp32 keeps MKL's
-        plain GEMM for small batches and switches to packed ones from PACKED_MIN_ROWS rows."""
-        from .cpu_linear import LinearKernel, MkldnnPackedLinear, SizeDispatchLinear, apply_linear_kernel
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # Without AMX, bf16 pays only where memory bandwidth binds (reading weights); activations,
+        # the KV cache and large GEMMs stay in fp32, which oneDNN runs faster here.
+        return torch.float32 if dtype == torch.bfloat16 and not cpu_has_amx() else dtype
 
-        if os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or MkldnnPackedLinear.available():
+    def prepare_model(self, model, config) -> None:
+        """bf16 on a CPU without AMX: bf16 weights with fp32 activations (see Bf16WeightLinear).
+        Measured for SmolLM2-135M single-stream decode: fp32 weights stream 540 MB per token and
+        are bandwidth-bound at ~19 ms of matmul per step; bf16 halves the bytes."""
+        from .cpu_linear import Bf16WeightLinear, apply_linear_kernel
+
+        weights = resolve_dtype(config.model.dtype, torch.float32)
+        if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
+                or weights != torch.bfloat16 or self.activation_dtype(weights) != torch.float32
+                or (config.device.graph_capture or "none") != "none"):
             return
-        dtype = resolve_dtype(config.model.dtype, torch.float32)
-        if dtype == torch.float32:
-            kernel = SizeDispatchLinear(LinearKernel(), MkldnnPackedLinear(batch_hint=64), PACKED_MIN_ROWS)
-        elif dtype == torch.bfloat16:
-            kernel = MkldnnPackedLinear()
-        else:
-            return
-        apply_linear_kernel(model, kernel)
+        apply_linear_kernel(model, Bf16WeightLinear())
 
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name
         if config.model.dtype == "auto":
-            # bf16 only where the matrix units make it pay: on AVX512_BF16 without AMX, oneDNN's
-            # bf16 GEMM measured 154 GFLOP/s against 274 for fp32 (2 threads, 512x576x3072).
+            # Measured on this AVX512_BF16 host without AMX (SmolLM2-135M, 2 threads): fp32 is the
+            # fastest everywhere — large GEMMs 274 vs 154 GFLOP/s, and a single-stream decode step
+            # 32.5 ms fp32 vs 33.4 ms with bf16 weights. With AMX, bf16 wins.
             config.model.dtype = "bfloat16" if cpu_has_amx() else "float32"
         if config.model.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")

@@ -90,6 +90,10 @@ class Platform:
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Fill platform defaults (dtype, block size) and refuse what cannot run here (ValueError)."""
 
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype activations and the KV cache use when weights are `dtype`."""
+        return dtype
+
     def prepare_model(self, model: Any, config: "EngineConfig") -> None:
         """After loading: re-lay out weights for this device's fastest kernels (optional)."""
 

@@ -186,3 +186,22 @@ def test_bad_parameters_raise_value_error_naming_them(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_shared_prefix_batch_same_with_and_without_prefix_caching(llm):
+    """Many requests on one 256-token prefix: later ones wait a step for the prefix to be cached,
+    then decode with cascade attention; tokens must equal the run without any caching."""
+    prefix = list(range(2000, 2256))
+    prompts = [{"prompt_token_ids": prefix + [3000 + i, 3100 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    cached = llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in cached) >= 5 * 256
+    plain = LLM(dtype="float32", max_model_len=2048, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_bfloat16_weights_run_and_agree_on_an_easy_prompt():
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, kv_cache_memory=32 << 20)
+    out = bf16.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
