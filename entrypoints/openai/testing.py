@@ -16,19 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from ...core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .engine_client import _load_tokenizer_fallback
+from .engine_client import EngineStatsSnapshot, _load_tokenizer_fallback
 
 
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+# The fake engine reports the same stats record the real engine's snapshot uses.
+FakeStats = EngineStatsSnapshot
 
 
 class _Platform:
