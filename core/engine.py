@@ -79,6 +79,7 @@ class LLMEngine:
         self.config = config
         self.platform = discovery.resolve_platform(config.device.device)
         self.platform.check_and_update_config(config)
+        _check_quantization(config.model.quantization, self.platform)
         self.weight_dtype = resolve_dtype(config.model.dtype, torch.float32)
         self.dtype = self.platform.activation_dtype(self.weight_dtype)
         self.platform.set_seed(config.model.seed)
@@ -347,3 +348,14 @@ def _stem(path: str) -> str:
     import os
     base = os.path.basename(str(path).rstrip("/"))
     return base[:-5] if base.endswith(".gguf") else base
+
+
+def _check_quantization(quantization: Optional[str], platform) -> None:
+    """quantization=None keeps checkpoints as loaded (GGUF blocks dequantized); any other name
+    must be one the platform applies."""
+    if quantization is None:
+        return
+    offered = platform.quantization_methods()
+    if quantization not in offered:
+        raise ValueError(f"quantization {quantization!r} is not supported on the {platform.name} platform; "
+                         f"supported: {offered or 'none'} (or leave it unset: checkpoints are dequantized at load)")

@@ -14,6 +14,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="auto", help="platform name, or auto (default)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None,
+                        help="run-time weight quantization the platform offers (cpu: int4 — 4-bit groups "
+                             "of 32, the Q4_0/Q4_1 layout); default: weights as loaded")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -37,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
 
 
 ENGINE_ARG_NAMES = (
-    "model", "tokenizer", "device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "model", "tokenizer", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "enable_chunked_prefill", "block_size", "kv_cache_memory",
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",

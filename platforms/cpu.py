@@ -104,17 +104,32 @@ class CpuPlatform(Platform):
         return torch.float32 if dtype == torch.bfloat16 and not cpu_has_amx() else dtype
 
     def prepare_model(self, model, config) -> None:
-        """bf16 on a CPU without AMX: bf16 weights with fp32 activations (see Bf16WeightLinear).
-        Measured for SmolLM2-135M single-stream decode: fp32 weights stream 540 MB per token and
-        are bandwidth-bound at ~19 ms of matmul per step; bf16 halves the bytes."""
-        from .cpu_linear import Bf16WeightLinear, apply_linear_kernel
+        """Swap in the CPU matmul kernels the configuration asks for (platforms/cpu_linear.py).
 
+        quantization="int4": every Linear through Int4WeightLinear; the LM head gets bf16 weights
+        instead (its GGUF source is usually 8-bit, which 4 bits would visibly change; in bf16 a
+        single-stream step reads it in 1.3 ms instead of 2.2 ms). bf16 on a CPU without AMX:
+        bf16 weights with fp32 activations (Bf16WeightLinear)."""
+        from tokenmill.core.layers.embedding import LMHead
+
+        from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, apply_linear_kernel
+
+        if config.model.quantization == "int4":
+            apply_linear_kernel(model, Int4WeightLinear(), include_lm_head=False)
+            if Bf16WeightLinear.available() is None:
+                for module in model.modules():
+                    if isinstance(module, LMHead):
+                        module.use_kernel(Bf16WeightLinear())
+            return
         weights = resolve_dtype(config.model.dtype, torch.float32)
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or weights != torch.bfloat16 or self.activation_dtype(weights) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):
             return
         apply_linear_kernel(model, Bf16WeightLinear())
+
+    def quantization_methods(self) -> list[str]:
+        return ["int4"]
 
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name

@@ -97,6 +97,10 @@ class Platform:
     def prepare_model(self, model: Any, config: "EngineConfig") -> None:
         """After loading: re-lay out weights for this device's fastest kernels (optional)."""
 
+    def quantization_methods(self) -> list[str]:
+        """Run-time weight quantizations (`quantization=`) that prepare_model applies (optional)."""
+        return []
+
     # Device services the core needs without naming a device API.
     def device(self) -> torch.device:
         return torch.device(self.torch_device)
@@ -115,6 +119,7 @@ class Platform:
             "attention_backends": self.attention_backends(),
             "graph_capture": self.graph_capture_strategies(),
             "distributed_backend": self.distributed_backend(),
+            "quantization": self.quantization_methods(),
             "description": (type(self).__doc__ or "").strip().splitlines()[0] if type(self).__doc__ else "",
         }
 

@@ -42,10 +42,24 @@ class RotaryEmbedding(nn.Module):
         # because HF casts cos/sin to the activations' dtype before rotating.
         cache = torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
         self.register_buffer("cos_sin_cache", cache.to(dtype or torch.float32), persistent=False)
+        # Every layer of one forward rotates at the same positions (one table shared by all
+        # layers): look cos/sin up once per positions tensor, not once per layer.
+        self._last_positions: Optional[torch.Tensor] = None
+        self._last_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def new_forward(self) -> None:
+        """Forget the memoized lookup: a captured graph may refill the same positions buffer."""
+        self._last_positions = self._last_cos_sin = None
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions is not self._last_positions or self._last_cos_sin is None:
+            cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+            self._last_positions, self._last_cos_sin = positions, (cos, sin)
+        return self._last_cos_sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_heads, D] (any heads: pass q and k stacked to rotate both at once) -> rotated copy."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._cos_sin(positions)
         x1, x2 = x[..., :self.half], x[..., self.half:]
         # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the HF rotate_half form, same rounding.
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -116,12 +116,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         # One cos/sin table shared by every layer.
         rotary = get_rope(config, _head_dim(config), config.max_position_embeddings, dtype)
+        self.rotary_emb = rotary
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        self.rotary_emb.new_forward()
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

@@ -1,0 +1,70 @@
+"""quantization="int4" on the CPU platform: 4-bit weight groups of 32 (the GGUF Q4_0/Q4_1 layout)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.platforms.cpu_linear import Int4WeightLinear
+
+pytestmark = pytest.mark.skipif(Int4WeightLinear.available() is not None,
+                                reason=str(Int4WeightLinear.available()))
+
+
+def _q4_1_like(n: int, k: int, seed: int = 0, return_q: bool = False):
+    """A weight as llama.cpp's Q4_1 stores it: per group of 32, d * q + m with q in 0..15,
+    every group using both q=0 and q=15 (its min and max)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 32
+    d = (torch.rand(n, groups, 1, generator=g) * 0.02 + 0.001).half().float()
+    m = (torch.randn(n, groups, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (n, groups, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    w = (d * q + m).reshape(n, k)
+    return (w, q.reshape(n, k)) if return_q else w
+
+
+def test_quantize_recovers_a_q4_1_grid_up_to_bf16_scales():
+    w, stored_q = _q4_1_like(64, 128, return_q=True)
+    q, scale_and_zero = Int4WeightLinear.quantize(w)
+    assert torch.equal(q, stored_q.to(q.dtype))          # the very nibbles the file stored
+    back = Int4WeightLinear.dequantize(q, scale_and_zero)
+    # Only the bf16 rounding of each group's scale and zero point separates the two grids.
+    groups = w.reshape(64, 4, 32)
+    bound = (groups.amax(-1) - groups.amin(-1) + groups.abs().amax(-1)) * 2 ** -7
+    assert ((back - w).abs().reshape(64, 4, 32).amax(-1) <= bound).all()
+
+
+def test_small_and_large_batches_use_the_same_weights():
+    w = _q4_1_like(96, 256, seed=1)
+    kernel = Int4WeightLinear(small_batch_rows=24)
+    weight = w.clone()
+    prepared = kernel.prepare(weight)
+    assert prepared[0] is not None                      # packed: 96 % 16 == 0, 256 % 32 == 0
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+    dense = kernel(x, prepared, None)                   # 40 rows: dense fp32 on dequantized values
+    small = torch.cat([kernel(x[i:i + 8], prepared, None) for i in range(0, 40, 8)])   # int4 kernel
+    torch.testing.assert_close(dense, x @ weight.t())
+    torch.testing.assert_close(small, dense, atol=0.05, rtol=0.02)   # bf16 activations
+    bias = torch.randn(96)
+    torch.testing.assert_close(kernel(x[:4], prepared, bias), small[:4] + bias)
+
+
+def test_shapes_the_packed_format_cannot_hold_stay_dense():
+    weight = torch.randn(100, 64)                       # 100 rows: not a multiple of 16
+    kernel = Int4WeightLinear()
+    prepared = kernel.prepare(weight)
+    assert prepared[0] is None
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(kernel(x, prepared, None), x @ weight.t())
+
+
+def test_engine_runs_int4_and_rejects_unknown_quantization():
+    llm = LLM(quantization="int4", max_model_len=512, kv_cache_memory=32 << 20)
+    outs = llm.generate(["The capital of France is"] * 2 + ["1, 2, 3, 4,"],
+                        SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert "Paris" in outs[0].outputs[0].text
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert "5" in outs[2].outputs[0].text
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(quantization="awq-bogus", max_model_len=512, kv_cache_memory=32 << 20)
