@@ -59,7 +59,7 @@ class AttentionConfig:
     num_heads: int
     num_kv_heads: int
     dtype: torch.dtype
-    kv_cache_dtype: str = "auto"          # "auto" = same as dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2"
+    kv_cache_dtype: str = "auto"          # "auto" = same as dtype; "bfloat16"; "fp8" / "fp8_e4m3" / "fp8_e5m2"
     block_size: int = 16
     sliding_window: Optional[int] = None
     logits_soft_cap: Optional[float] = None
@@ -220,6 +220,21 @@ def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: lis
         query_start_loc_cpu=qsl,
         seq_lens_cpu=list(seq_lens),
     )
+
+
+KV_CACHE_DTYPES = {
+    "bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype a `kv_cache_dtype` name stands for ("auto": the model's activations)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r} is not known; choose auto or one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

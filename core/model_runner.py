@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.attention_backends.interface import AttentionMetadata
+from tokenmill.attention_backends.interface import AttentionMetadata, kv_cache_torch_dtype
 
 from .config import EngineConfig
 from .scheduler import ScheduledBatch
@@ -44,7 +44,8 @@ class ModelRunner:
         impl = self.layers[0].impl
         self.num_kv_heads, self.head_size = impl.num_kv_heads, impl.head_size
         self.backend_cls = type(impl)
-        self.kv_cache_dtype = dtype  # fp8 KV caches are a backend capability; "auto" = model dtype
+        # The backend validated the name (its supported_kv_cache_dtypes); "auto" = model dtype.
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
 
         self.bytes_per_block = self._bytes_per_block()
         override = config.cache.num_gpu_blocks_override

@@ -106,20 +106,20 @@ class CpuPlatform(Platform):
     def prepare_model(self, model, config) -> None:
         """Swap in the CPU matmul kernels the configuration asks for (platforms/cpu_linear.py).
 
-        quantization="int4": every Linear through Int4WeightLinear; the LM head gets bf16 weights
-        instead (its GGUF source is usually 8-bit, which 4 bits would visibly change; in bf16 a
-        single-stream step reads it in 1.3 ms instead of 2.2 ms). bf16 on a CPU without AMX:
+        quantization="int4": every Linear through Int4WeightLinear; the LM head through
+        Int8HeadLinear (its GGUF source is usually 8-bit, which 4 bits would visibly change).
+        bf16 on a CPU without AMX:
         bf16 weights with fp32 activations (Bf16WeightLinear)."""
         from tokenmill.core.layers.embedding import LMHead
 
-        from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, apply_linear_kernel
+        from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, Int8HeadLinear, apply_linear_kernel
 
         if config.model.quantization == "int4":
             apply_linear_kernel(model, Int4WeightLinear(), include_lm_head=False)
-            if Bf16WeightLinear.available() is None:
+            if Int8HeadLinear.available() is None:
                 for module in model.modules():
                     if isinstance(module, LMHead):
-                        module.use_kernel(Bf16WeightLinear())
+                        module.use_kernel(Int8HeadLinear())
             return
         weights = resolve_dtype(config.model.dtype, torch.float32)
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()

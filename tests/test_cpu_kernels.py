@@ -1,0 +1,104 @@
+"""The native CPU kernels (platforms/csrc/cpu_kernels.cpp) against plain torch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
+from tokenmill.attention_backends.interface import AttentionMetadata
+from tokenmill.platforms import cpu_kernels, cpu_linear
+
+pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None, reason=str(cpu_kernels.available()))
+
+
+def _paged(lens, shared_blocks=0, bs=16, num_blocks=120, kv_heads=3, d=64, dtype=torch.float32, seed=0):
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    shared, rest = blocks[:shared_blocks], blocks[shared_blocks:]
+    tables = [shared + [rest.pop() for _ in range((n + bs - 1) // bs - shared_blocks)] for n in lens]
+    width = max(map(len, tables))
+    torch.manual_seed(seed)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d).to(dtype)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return cache, tables, padded
+
+
+def _attend(q, cache, tables, lens, scale, window=None, first=0):
+    """Per sequence, per head, in float64: softmax(q k^T) v over positions [start, len)."""
+    bs, kv_heads = cache.shape[2], cache.shape[3]
+    group = q.shape[1] // kv_heads
+    outs, lses = [], []
+    for s, n in enumerate(lens):
+        rows = torch.cat([cache[:, b] for b in tables[s]], dim=1)[:, :n].double()   # [2, n, Hkv, D]
+        start = max(first, n - window if window else 0)
+        k = rows[0, start:].repeat_interleave(group, 1)
+        v = rows[1, start:].repeat_interleave(group, 1)
+        scores = torch.einsum("hd,thd->ht", q[s].double(), k) * scale
+        outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("window,first", [(None, 0), (40, 0), (None, 64)])
+@pytest.mark.parametrize("lens", [[97, 130, 65, 200, 81], [150]])   # one sequence: split by kv head
+def test_paged_decode_matches_float64(kv_dtype, tol, window, first, lens):
+    cache, tables, padded = _paged(lens, dtype=kv_dtype)
+    q = torch.randn(len(lens), 9, 64)
+    out, lse = cpu_kernels.paged_decode(q, cache, padded, torch.tensor(lens), 0.125, window,
+                                        first_pos=first, return_lse=True)
+    ref, ref_lse = _attend(q, cache.float(), tables, lens, 0.125, window, first)
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+
+
+def _decode_metadata(lens, padded, tables, bs=16):
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    return AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=padded,
+        slot_mapping=torch.tensor(slots), num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens),
+        block_size=bs, query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_blocks", [0, 9])
+def test_cpu_sdpa_decode_native_equals_torch_path(monkeypatch, kv_dtype, shared_blocks):
+    """float32 activations over a float32 or bf16 cache, with and without a shared prefix
+    (cascade): the native kernel and the torch path give the same attention."""
+    lens = [170, 200, 161, 190]
+    cache, tables, padded = _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)
+    q, k, v = torch.randn(4, 9, 64), torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    backend = CpuSdpaAttention(9, 64, 0.125, 3)
+    meta = _decode_metadata(lens, padded, tables)
+    native = backend.forward(q, k, v, cache.clone(), meta)
+    assert (meta._cpu_sdpa_step_cache["cascade"] is not None) == (shared_blocks > 0)
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    plain = backend.forward(q, k, v, cache.clone(), _decode_metadata(lens, padded, tables))
+    assert (native - plain).abs().max().item() < 1e-5
+
+
+def test_int8_quantize_and_dequantize_match_torch(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(64, 576)
+    x[:, 17] *= 60                      # outlier channels, as LLM activations have
+    x[:, 300] *= 25
+    weight = torch.randn(960, 576)
+    int8_weight, channel_scale = cpu_linear.quantize_int8_per_channel(weight)
+    by_channel = weight.t().contiguous().t()
+    bias = torch.randn(960)
+    q, token_scale, channels, values = cpu_kernels.quantize_rows_int8(x, 16)
+    assert {17, 300} <= set(channels.tolist())
+    assert torch.equal(values, x[:, channels])
+    native = cpu_linear.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_failure", None)
+    plain = cpu_linear.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
+    torch.testing.assert_close(native, plain, atol=1e-3, rtol=1e-5)
+    exact = x @ weight.t() + bias
+    # int8 error stays small next to the output's scale, thanks to the outlier channels.
+    assert (native - exact).abs().max() < 0.01 * exact.abs().max()
