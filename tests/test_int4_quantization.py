@@ -35,19 +35,22 @@ def test_quantize_recovers_a_q4_1_grid_up_to_bf16_scales():
     assert ((back - w).abs().reshape(64, 4, 32).amax(-1) <= bound).all()
 
 
-def test_small_and_large_batches_use_the_same_weights():
+def test_both_paths_multiply_by_the_same_4bit_weights():
     w = _q4_1_like(96, 256, seed=1)
-    kernel = Int4WeightLinear(small_batch_rows=24)
+    kernel = Int4WeightLinear(small_batch_rows=8)
     weight = w.clone()
     prepared = kernel.prepare(weight)
     assert prepared[0] is not None                      # packed: 96 % 16 == 0, 256 % 32 == 0
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
-    dense = kernel(x, prepared, None)                   # 40 rows: dense fp32 on dequantized values
-    small = torch.cat([kernel(x[i:i + 8], prepared, None) for i in range(0, 40, 8)])   # int4 kernel
-    torch.testing.assert_close(dense, x @ weight.t())
-    torch.testing.assert_close(small, dense, atol=0.05, rtol=0.02)   # bf16 activations
+    exact = x @ weight.t()                              # the parameter now holds the 4-bit values
+    batched = kernel(x, prepared, None)                 # 40 rows: int8 x int8 GEMM
+    small = torch.cat([kernel(x[i:i + 4], prepared, None) for i in range(0, 40, 4)])   # int4 kernel
+    scale = exact.abs().max()
+    assert (batched - exact).abs().max() < 0.01 * scale
+    assert (small - exact).abs().max() < 0.01 * scale  # bf16 activations
     bias = torch.randn(96)
     torch.testing.assert_close(kernel(x[:4], prepared, bias), small[:4] + bias)
+    torch.testing.assert_close(kernel(x, prepared, bias), batched + bias, atol=1e-4, rtol=1e-5)
 
 
 def test_shapes_the_packed_format_cannot_hold_stay_dense():
