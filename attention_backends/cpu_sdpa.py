@@ -18,7 +18,6 @@ softmax (correct, slower). KV cache layout is the default one.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -198,8 +197,7 @@ class CpuSdpaAttention(AttentionBackend):
         """The C++ kernel reads blocks in place (measured ~10x the gather + SDPA path on a W1-like
         batch); it covers float32 queries over a float32/bf16 cache, without soft-capping."""
         return (q.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16)
-                and not self.logits_soft_cap and kv_cache.is_contiguous()
-                and os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0" and cpu_kernels.available() is None)
+                and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_kernels.available() is None)
 
     def _decode_cascade(self, q4: torch.Tensor, kv_cache: torch.Tensor, plan: dict,
                         metadata: AttentionMetadata, native: bool) -> torch.Tensor:

@@ -131,9 +131,14 @@ class LLMEngine:
     @property
     def dtype_description(self) -> str:
         weights = str(self.weight_dtype).replace("torch.", "")
-        if self.weight_dtype == self.dtype:
-            return weights
-        return f"{weights} weights, {str(self.dtype).replace('torch.', '')} activations"
+        text = weights if self.weight_dtype == self.dtype else \
+            f"{weights} weights, {str(self.dtype).replace('torch.', '')} activations"
+        if self.config.model.quantization:
+            text += f", quantization {self.config.model.quantization}"
+        kv = self.runner.kv_cache_dtype
+        if kv != self.dtype:
+            text += f", KV cache {str(kv).replace('torch.', '')}"
+        return text
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "LLMEngine":

@@ -6,6 +6,7 @@ after one untimed warm-up on other prompts (so the prefix cache starts cold).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -42,6 +43,7 @@ def _time_engine(llm, workload, repeat: int) -> dict[str, Any]:
     preempt0 = llm.engine.scheduler.num_preemptions
     for _ in range(repeat):
         llm.engine.block_manager.reset_prefix_cache()
+        gc.collect()            # garbage of earlier runs (and baselines) is not this run's cost
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
         times.append(time.perf_counter() - start)

@@ -104,10 +104,16 @@ def load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
         for part in (SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
                      compiler.encode(), _cpu_flags().encode()):
             key.update(part)
-        target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
         try:
+            target = _cache_dir() / name
             if not target.exists():
-                _build(compiler, target)
+                try:
+                    _build(compiler, target)
+                except PermissionError:        # read-only home: build in the temp directory
+                    target = Path(tempfile.gettempdir()) / f"tokenmill-kernels-{os.getuid()}" / name
+                    if not target.exists():
+                        _build(compiler, target)
             lib = ctypes.CDLL(str(target))
             _declare(lib)
             if lib.tokenmill_kernels_abi_version() != ABI_VERSION:
@@ -122,7 +128,12 @@ def load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
 
 
 def available() -> Optional[str]:
-    """None when the kernels load here, else why not."""
+    """None when the kernels load here, else why not. Cheap once loaded (called per layer);
+    TOKENMILL_CPU_KERNELS=0 turns them off at any time."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return "disabled by TOKENMILL_CPU_KERNELS=0"
+    if _library is not None:
+        return None
     return load()[1]
 
 
@@ -189,3 +200,4 @@ def dequantize_int32(acc: torch.Tensor, token_scale: torch.Tensor, channel_scale
     lib.dequantize_int32(acc.data_ptr(), token_scale.contiguous().data_ptr(), channel_scale.contiguous().data_ptr(),
                          out.data_ptr() if extra is not None else None, bias_ptr, out.data_ptr(), rows, cols)
     return out
+

@@ -135,17 +135,18 @@ class Int8HeadLinear(LinearKernel):
 
 
 class Int4WeightLinear(LinearKernel):
-    """Weight-only 4-bit quantization in groups of 32 along the input dimension (the layout of
-    GGUF's Q4_0/Q4_1), asymmetric: w = (q - 8) * scale + zero, q in 0..15.
+    """4-bit weights in groups of 32 along the input dimension (the layout of GGUF's Q4_0/Q4_1),
+    asymmetric: w = scale * q + low, q in 0..15.
 
     Round-to-nearest from each group's min and max. On a Q4_0/Q4_1 checkpoint this recovers the
-    stored grid (llama.cpp's quantizer puts the group's min at q=0 and its max at q=15), so the
-    only change from the dequantized file is bf16 rounding of the scales.
+    stored grid exactly (llama.cpp's quantizer puts the group's min at q=0 and its max at q=15).
 
     Two execution paths over those weights, picked by the number of rows (tokens) in the batch:
-    * fewer than `small_batch_rows`: bound by reading weights. torch's int4 CPU kernel on the
-      packed nibbles with bf16 activations: ~3.5x less time than fp32 GEMV for SmolLM2-135M's
-      30 layers (53 MB read instead of 425 MB, and it fits in L3).
+    * fewer than `small_batch_rows`: bound by reading weights, which stay packed two per byte
+      (53 MB for SmolLM2-135M's 30 layers instead of 425 MB in fp32, and they fit in L3):
+      torch's int4 CPU kernel, bf16 activations and bf16 scale/zero point; ~3.5x less time than
+      fp32 over the 30 layers. (A native float32 GEMV of ours measured faster in isolation but
+      66 -> 60 tok/s slower on W2 in the engine, so it was dropped.)
     * more (decode batches and prefill): bound by multiply-adds. The 4-bit values re-expressed
       as int8 with one scale per output channel (error below 1/16 of a 4-bit step), activations
       quantized to int8 with one scale per token and their 16 largest channels kept in float32
@@ -175,38 +176,40 @@ class Int4WeightLinear(LinearKernel):
         return weight.dim() == 2 and weight.shape[1] % cls.group_size == 0 and weight.shape[0] % 16 == 0
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """weight [N, K] -> (q int32 [N, K] in 0..15, scale_and_zero bf16 [K/G, N, 2])."""
+    def quantize(cls, weight: torch.Tensor, bf16_params: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """weight [N, K] -> (q int32 [N, K] in 0..15, scale [N, K/G], low [N, K/G]) with
+        w ~ scale * q + low. `bf16_params`: scale and the zero point (low + 8 * scale) exactly
+        representable in bf16, as torch's int4 kernel stores them."""
         n, k = weight.shape
         groups = weight.detach().float().reshape(n, k // cls.group_size, cls.group_size)
         low = groups.amin(dim=-1)
-        high = groups.amax(dim=-1)
-        scale = ((high - low) / 15).to(torch.bfloat16).float()
-        zero = (low + 8 * scale).to(torch.bfloat16).float()
+        scale = (groups.amax(dim=-1) - low) / 15
+        if bf16_params:
+            scale = scale.to(torch.bfloat16).float()
+            low = (low + 8 * scale).to(torch.bfloat16).float() - 8 * scale
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((groups - (zero - 8 * scale).unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
-        q = torch.where((scale > 0).unsqueeze(-1), q, torch.full_like(q, 8))
-        scale_and_zero = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()
-        return q.reshape(n, k).to(torch.int32), scale_and_zero
+        q = torch.round((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
+        return q.reshape(n, k).to(torch.int32), scale, low
 
     @classmethod
-    def dequantize(cls, q: torch.Tensor, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    def dequantize(cls, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
         n, k = q.shape
-        scale = scale_and_zero[..., 0].float().t().unsqueeze(-1)          # [N, K/G, 1]
-        zero = scale_and_zero[..., 1].float().t().unsqueeze(-1)
         groups = q.reshape(n, k // cls.group_size, cls.group_size).float()
-        return ((groups - 8) * scale + zero).reshape(n, k)
+        return (groups * scale.unsqueeze(-1) + low.unsqueeze(-1)).reshape(n, k)
 
     def prepare(self, weight: torch.Tensor) -> Any:
         if weight.device.type != "cpu":
             raise ValueError("int4 weight-only linear runs on CPU tensors only")
         if not self.fits(weight):
             return None, None, weight, None, None
-        q, scale_and_zero = self.quantize(weight)
-        values = self.dequantize(q, scale_and_zero).to(weight.dtype)
+        q, scale, low = self.quantize(weight, bf16_params=True)
+        values = self.dequantize(q, scale, low).to(weight.dtype)
         # Stored [K, N]: the outlier path reads whole input channels (rows of this), and F.linear
         # takes the transposed view as it is. The parameter keeps its shape, as that view.
         weight.data = values.t().contiguous().t()
+        # torch's kernel computes (q - 8) * scale + zero.
+        scale_and_zero = torch.stack((scale.t(), (low + 8 * scale).t()), dim=-1).to(torch.bfloat16).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         int8_weight, channel_scale = quantize_int8_per_channel(values)
         return packed, scale_and_zero, weight, int8_weight, channel_scale

@@ -26,16 +26,27 @@ def _q4_1_like(n: int, k: int, seed: int = 0, return_q: bool = False):
 
 def test_quantize_recovers_a_q4_1_grid_up_to_bf16_scales():
     w, stored_q = _q4_1_like(64, 128, return_q=True)
-    q, scale_and_zero = Int4WeightLinear.quantize(w)
-    assert torch.equal(q, stored_q.to(q.dtype))          # the very nibbles the file stored
-    back = Int4WeightLinear.dequantize(q, scale_and_zero)
-    # Only the bf16 rounding of each group's scale and zero point separates the two grids.
     groups = w.reshape(64, 4, 32)
-    bound = (groups.amax(-1) - groups.amin(-1) + groups.abs().amax(-1)) * 2 ** -7
-    assert ((back - w).abs().reshape(64, 4, 32).amax(-1) <= bound).all()
+    for bf16_params, rel in ((False, 2 ** -20), (True, 2 ** -7)):
+        q, scale, low = Int4WeightLinear.quantize(w, bf16_params=bf16_params)
+        assert torch.equal(q, stored_q.to(q.dtype))      # the very nibbles the file stored
+        back = Int4WeightLinear.dequantize(q, scale, low)
+        # float32 parameters: the file's values to rounding; bf16 ones (torch's int4 kernel):
+        # off by the bf16 rounding of each group's scale and zero point.
+        bound = (groups.amax(-1) - groups.amin(-1) + groups.abs().amax(-1)) * rel
+        assert ((back - w).abs().reshape(64, 4, 32).amax(-1) <= bound).all()
 
 
-def test_both_paths_multiply_by_the_same_4bit_weights():
+@pytest.mark.parametrize("native", [True, False])
+def test_both_paths_multiply_by_the_same_4bit_weights(monkeypatch, native):
+    """native: the int8 path's quantize/dequantize ends in C++; else in torch ops."""
+    from tokenmill.platforms import cpu_kernels
+    if not native:
+        monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+        monkeypatch.setattr(cpu_kernels, "_library", None)
+        monkeypatch.setattr(cpu_kernels, "_failure", None)
+    elif cpu_kernels.available() is not None:
+        pytest.skip(cpu_kernels.available())
     w = _q4_1_like(96, 256, seed=1)
     kernel = Int4WeightLinear(small_batch_rows=8)
     weight = w.clone()
