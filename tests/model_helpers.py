@@ -1,8 +1,10 @@
-"""Shared test helpers: a single-sequence AttentionMetadata with its KV caches, and tiny
+"""Shared test helpers: a single-sequence AttentionMetadata with its KV caches, a decode batch
+over shuffled (optionally shared-prefix) blocks, and tiny
 random-weight HF checkpoints. Import with sys.path insertion of tests/ (tests have no __init__)."""
 from __future__ import annotations
 
 import os
+import random
 from typing import Optional
 
 import torch
@@ -175,3 +177,23 @@ def write_tiny_gguf(hf_model, path: str, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def decode_batch(lens: list[int], shared_blocks: int = 0, bs: int = 16, num_blocks: int = 200,
+                 seed: int = 0) -> tuple[list[list[int]], AttentionMetadata]:
+    """One decode token per sequence of these lengths; block tables drawn from shuffled blocks,
+    the first `shared_blocks` of every table the same physical blocks (a cached shared prefix)."""
+    rng = random.Random(seed)
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    shared, rest = blocks[:shared_blocks], blocks[shared_blocks:]
+    tables = [shared + [rest.pop() for _ in range((n + bs - 1) // bs - shared_blocks)] for n in lens]
+    width = max(map(len, tables))
+    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots), num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens),
+        block_size=bs, query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
+    return tables, meta

@@ -1,7 +1,8 @@
 """Decodes that share physical prefix blocks attend to them once (cascade); same result as reference."""
 from __future__ import annotations
 
-import random
+import os
+import sys
 
 import pytest
 import torch
@@ -10,21 +11,12 @@ from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
 from tokenmill.attention_backends.interface import AttentionMetadata
 from tokenmill.attention_backends.reference import ReferenceAttention
 
+sys.path.insert(0, os.path.dirname(__file__))
+from model_helpers import decode_batch  # noqa: E402
 
-def _decode_batch(lens, shared_blocks, bs=16, num_blocks=200, seed=0):
-    rng = random.Random(seed)
-    blocks = list(range(num_blocks))
-    rng.shuffle(blocks)
-    shared, rest = blocks[:shared_blocks], blocks[shared_blocks:]
-    tables = [shared + [rest.pop() for _ in range((n + bs - 1) // bs - shared_blocks)] for n in lens]
-    width = max(map(len, tables))
-    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
-    return AttentionMetadata(
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        slot_mapping=torch.tensor(slots), num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens),
-        block_size=bs, query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
+
+def _decode_batch(lens, shared_blocks, **kwargs):
+    return decode_batch(lens, shared_blocks, **kwargs)[1]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

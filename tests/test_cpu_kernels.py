@@ -1,29 +1,27 @@
 """The native CPU kernels (platforms/csrc/cpu_kernels.cpp) against plain torch."""
 from __future__ import annotations
 
-import random
+import os
+import sys
 
 import pytest
 import torch
 
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
-from tokenmill.attention_backends.interface import AttentionMetadata
 from tokenmill.platforms import cpu_kernels, cpu_linear
+
+sys.path.insert(0, os.path.dirname(__file__))
+from model_helpers import decode_batch  # noqa: E402
 
 pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None, reason=str(cpu_kernels.available()))
 
 
-def _paged(lens, shared_blocks=0, bs=16, num_blocks=120, kv_heads=3, d=64, dtype=torch.float32, seed=0):
-    rng = random.Random(seed)
-    blocks = list(range(num_blocks))
-    rng.shuffle(blocks)
-    shared, rest = blocks[:shared_blocks], blocks[shared_blocks:]
-    tables = [shared + [rest.pop() for _ in range((n + bs - 1) // bs - shared_blocks)] for n in lens]
-    width = max(map(len, tables))
+def _paged(lens, shared_blocks=0, dtype=torch.float32, seed=0):
+    """A random float cache [2, 120 blocks, 16, 3 kv heads, 64] and a decode batch over it."""
+    tables, meta = decode_batch(lens, shared_blocks, num_blocks=120, seed=seed)
     torch.manual_seed(seed)
-    cache = torch.randn(2, num_blocks, bs, kv_heads, d).to(dtype)
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    return cache, tables, padded
+    cache = torch.randn(2, 120, 16, 3, 64).to(dtype)
+    return cache, tables, meta
 
 
 def _attend(q, cache, tables, lens, scale, window=None, first=0):
@@ -46,22 +44,13 @@ def _attend(q, cache, tables, lens, scale, window=None, first=0):
 @pytest.mark.parametrize("window,first", [(None, 0), (40, 0), (None, 64)])
 @pytest.mark.parametrize("lens", [[97, 130, 65, 200, 81], [150]])   # one sequence: split by kv head
 def test_paged_decode_matches_float64(kv_dtype, tol, window, first, lens):
-    cache, tables, padded = _paged(lens, dtype=kv_dtype)
+    cache, tables, meta = _paged(lens, dtype=kv_dtype)
     q = torch.randn(len(lens), 9, 64)
-    out, lse = cpu_kernels.paged_decode(q, cache, padded, torch.tensor(lens), 0.125, window,
+    out, lse = cpu_kernels.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.125, window,
                                         first_pos=first, return_lse=True)
     ref, ref_lse = _attend(q, cache.float(), tables, lens, 0.125, window, first)
     assert (out.double() - ref).abs().max().item() < tol
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
-
-
-def _decode_metadata(lens, padded, tables, bs=16):
-    slots = [tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)]
-    return AttentionMetadata(
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=padded,
-        slot_mapping=torch.tensor(slots), num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens),
-        block_size=bs, query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
@@ -70,14 +59,13 @@ def test_cpu_sdpa_decode_native_equals_torch_path(monkeypatch, kv_dtype, shared_
     """float32 activations over a float32 or bf16 cache, with and without a shared prefix
     (cascade): the native kernel and the torch path give the same attention."""
     lens = [170, 200, 161, 190]
-    cache, tables, padded = _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)
+    cache, _, meta = _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)
     q, k, v = torch.randn(4, 9, 64), torch.randn(4, 3, 64), torch.randn(4, 3, 64)
     backend = CpuSdpaAttention(9, 64, 0.125, 3)
-    meta = _decode_metadata(lens, padded, tables)
     native = backend.forward(q, k, v, cache.clone(), meta)
     assert (meta._cpu_sdpa_step_cache["cascade"] is not None) == (shared_blocks > 0)
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    plain = backend.forward(q, k, v, cache.clone(), _decode_metadata(lens, padded, tables))
+    plain = backend.forward(q, k, v, cache.clone(), _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)[2])
     assert (native - plain).abs().max().item() < 1e-5
 
 
