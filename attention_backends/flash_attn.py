@@ -7,42 +7,34 @@ causal with bottom-right alignment (each query row sits at the end of its contex
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .interface import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+from .interface import AttentionConfig, AttentionMetadata, write_kv
+from .package_backend import PackageBackend
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(PackageBackend):
     name = "flash_attn"
     supported_devices = ("cuda",)
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_sizes = (32, 64, 80, 96, 128, 160, 192, 224, 256)
-    supported_kv_cache_dtypes = ("auto",)
-    supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
-    supported_graph_modes = ("none",)
+    package = "flash_attn"
 
     @classmethod
-    def probe(cls) -> Optional[str]:
-        try:
-            import flash_attn  # noqa: F401
-            from flash_attn import flash_attn_varlen_func  # noqa: F401
-        except Exception as exc:
-            return f"flash_attn is not importable ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
-        return None
+    def import_package(cls) -> None:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
 
     @classmethod
-    def validate(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate(config)
-        if config.device == "cuda" and not reasons:
-            if not torch.cuda.is_available():
-                reasons.append("no CUDA device")
-            elif torch.cuda.get_device_capability()[0] < 8:
-                reasons.append("FlashAttention-2 needs compute capability >= 8.0")
-        return reasons
+    def runtime_reasons(cls, config: AttentionConfig) -> list[str]:
+        if config.device != "cuda":
+            return []
+        if not torch.cuda.is_available():
+            return ["no CUDA device"]
+        if torch.cuda.get_device_capability()[0] < 8:
+            return ["FlashAttention-2 needs compute capability >= 8.0"]
+        return []
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
         from flash_attn import flash_attn_varlen_func

@@ -6,40 +6,30 @@ one query token): planned once per step from the metadata, run per layer on the 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .interface import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+from .interface import AttentionConfig, AttentionMetadata, write_kv
+from .package_backend import PackageBackend
 
 _WORKSPACE_BYTES = 128 << 20
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(PackageBackend):
     name = "flashinfer"
     supported_devices = ("cuda",)
     supported_dtypes = (torch.float16, torch.bfloat16)
     supported_head_sizes = (64, 128, 256)
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-    supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supported_graph_modes = ("none", "cuda_graphs")
+    package = "flashinfer"
 
     @classmethod
-    def probe(cls) -> Optional[str]:
-        try:
-            import flashinfer  # noqa: F401
-        except Exception as exc:
-            return f"flashinfer is not importable ({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})"
-        return None
-
-    @classmethod
-    def validate(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate(config)
-        if config.device == "cuda" and not reasons and not torch.cuda.is_available():
-            reasons.append("no CUDA device")
-        return reasons
+    def runtime_reasons(cls, config: AttentionConfig) -> list[str]:
+        if config.device == "cuda" and not torch.cuda.is_available():
+            return ["no CUDA device"]
+        return []
 
     _wrapper = None
 

@@ -8,11 +8,10 @@ context) `PagedAttention.flash_attn_varlen_func` over the paged cache.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .interface import AttentionBackend, AttentionConfig, AttentionMetadata
+from .interface import AttentionMetadata
+from .package_backend import PackageBackend
 
 
 def _ipex_paged():
@@ -20,25 +19,15 @@ def _ipex_paged():
     return PagedAttention
 
 
-class IpexPagedAttention(AttentionBackend):
+class IpexPagedAttention(PackageBackend):
     name = "ipex"
     supported_devices = ("cpu", "xpu")
     supported_dtypes = (torch.float32, torch.bfloat16)
-    supported_kv_cache_dtypes = ("auto",)
-    supports_gqa = True
-    supports_sliding_window = False
-    supports_logits_soft_cap = False
-    supported_graph_modes = ("none",)
+    package = "intel_extension_for_pytorch"
 
     @classmethod
-    def probe(cls) -> Optional[str]:
-        try:
-            import intel_extension_for_pytorch  # noqa: F401
-            _ipex_paged()
-        except Exception as exc:
-            text = str(exc).strip().splitlines()
-            return f"intel_extension_for_pytorch is not importable ({type(exc).__name__}: {text[0] if text else ''})"
-        return None
+    def import_package(cls) -> None:
+        _ipex_paged()
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -11,39 +11,32 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Optional
 
 import torch
 
-from .interface import AttentionBackend, AttentionConfig, AttentionMetadata
+from .interface import AttentionConfig, AttentionMetadata
+from .package_backend import PackageBackend
 
 
-class PallasPagedAttention(AttentionBackend):
+class PallasPagedAttention(PackageBackend):
     name = "pallas"
     supported_devices = ("tpu", "xla", "cpu")   # cpu: through torch_xla's CPU PJRT device
     supported_dtypes = (torch.float32, torch.bfloat16)
-    supported_kv_cache_dtypes = ("auto",)
-    supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supported_graph_modes = ("none", "xla")
+    package = "torch_xla"
+    package_label = "torch_xla (with ragged_paged_attention)"
 
     @classmethod
-    def probe(cls) -> Optional[str]:
-        try:
-            import torch_xla  # noqa: F401
-            from torch_xla.experimental.custom_kernel import ragged_paged_attention  # noqa: F401
-        except Exception as exc:
-            text = str(exc).strip().splitlines()
-            return f"torch_xla (with ragged_paged_attention) is not importable ({type(exc).__name__}: {text[0] if text else ''})"
-        return None
+    def import_package(cls) -> None:
+        from torch_xla.experimental.custom_kernel import ragged_paged_attention  # noqa: F401
 
     @classmethod
-    def validate(cls, config: AttentionConfig) -> list[str]:
-        reasons = super().validate(config)
-        if config.device == "cpu" and not reasons and os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
-            reasons.append("on the CPU torch_xla needs PJRT_DEVICE=CPU")
-        return reasons
+    def runtime_reasons(cls, config: AttentionConfig) -> list[str]:
+        if config.device == "cpu" and os.environ.get("PJRT_DEVICE", "").upper() != "CPU":
+            return ["on the CPU torch_xla needs PJRT_DEVICE=CPU"]
+        return []
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

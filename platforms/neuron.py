@@ -11,12 +11,10 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 from . import _probe
-from .interface import Availability, GraphCapture, MemoryProfiler, Platform, blocks_from_budget, resolve_dtype
+from .interface import Availability, GraphCapture, MemoryProfiler, blocks_from_budget
 from .memory import GiB, static_kv_blocks
-from .xla_common import XlaBucketedCapture, xla_mark_step
+from .xla_common import XlaBucketedCapture, XlaPlatform, probe_xla_runtime, xla_mark_step
 
 logger = logging.getLogger("tokenmill.platforms.neuron")
 
@@ -41,24 +39,18 @@ class NeuronStaticMemoryProfiler(MemoryProfiler):
         return blocks
 
 
-class NeuronPlatform(Platform):
+class NeuronPlatform(XlaPlatform):
     """AWS Inferentia2/Trainium through torch_neuronx: bucketed compilation, static memory."""
     name = "neuron"
-    torch_device = "xla"
     priority = 85
     dispatch_key = "neuron"
 
     @classmethod
     def probe(cls) -> Availability:
-        try:
-            return cls._probe()
-        except Exception as exc:
-            return Availability.no(f"probing neuron failed: {_probe.exc_text(exc)}")
+        return probe_xla_runtime("neuron", "torch_neuronx", cls._probe_device)
 
     @classmethod
-    def _probe(cls) -> Availability:
-        if not _probe.module_present("torch_neuronx"):
-            return Availability.no("torch_neuronx is not installed")
+    def _probe_device(cls) -> Availability:
         nodes = _probe.device_nodes("/dev/neuron[0-9]*")
         if not nodes:
             return Availability.no("torch_neuronx is installed but no Neuron device was found (no /dev/neuron* "
@@ -76,9 +68,6 @@ class NeuronPlatform(Platform):
     def memory_profiler(self) -> MemoryProfiler:
         return NeuronStaticMemoryProfiler()
 
-    def graph_capture_strategies(self) -> list[str]:
-        return ["xla"]
-
     def graph_capture(self, config) -> GraphCapture:
         if config.device.graph_capture not in (None, "xla"):
             raise ValueError(f"graph_capture {config.device.graph_capture!r} is not offered by the neuron platform "
@@ -86,23 +75,3 @@ class NeuronPlatform(Platform):
         return XlaBucketedCapture(min_bucket=128, precompile=not config.device.enforce_eager,
                                   compile_fn=None, step_fn=xla_mark_step,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens or 2048)
-
-    def graph_capture_name(self, config) -> str:
-        return "xla"
-
-    def distributed_backend(self) -> str:
-        return "xla"
-
-    def check_and_update_config(self, config) -> None:
-        resolve_dtype(config.model.dtype, torch.bfloat16)
-        if config.model.dtype == "auto":
-            config.model.dtype = "bfloat16"
-
-    def device(self) -> torch.device:
-        import torch_xla.core.xla_model as xm
-        return xm.xla_device()
-
-    def synchronize(self) -> None:
-        import torch_xla.core.xla_model as xm
-        xm.mark_step()
-        xm.wait_device_ops()

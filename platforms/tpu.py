@@ -10,31 +10,25 @@ from __future__ import annotations
 import torch
 
 from . import _probe
-from .interface import Availability, GraphCapture, MemoryProfiler, Platform, resolve_dtype
+from .interface import Availability, GraphCapture, MemoryProfiler
 from .memory import XlaMemoryProfiler
-from .xla_common import XlaBucketedCapture, openxla_compile, xla_mark_step
+from .xla_common import XlaBucketedCapture, XlaPlatform, openxla_compile, probe_xla_runtime, xla_mark_step
 
 TPU_DEVICE_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
 
-class TpuPlatform(Platform):
+class TpuPlatform(XlaPlatform):
     """Google TPUs through torch_xla: Pallas attention, bucketed XLA compilation."""
     name = "tpu"
-    torch_device = "xla"
     priority = 90
     dispatch_key = "tpu"
 
     @classmethod
     def probe(cls) -> Availability:
-        try:
-            return cls._probe()
-        except Exception as exc:
-            return Availability.no(f"probing tpu failed: {_probe.exc_text(exc)}")
+        return probe_xla_runtime("tpu", "torch_xla", cls._probe_device)
 
     @classmethod
-    def _probe(cls) -> Availability:
-        if not _probe.module_present("torch_xla"):
-            return Availability.no("torch_xla is not installed")
+    def _probe_device(cls) -> Availability:
         tv = _probe.torch_version()
         xv = _probe.dist_version("torch_xla", "torch-xla") or "?"
         if xv != "?" and _probe.major_minor(xv) != _probe.major_minor(tv):
@@ -62,9 +56,6 @@ class TpuPlatform(Platform):
     def memory_profiler(self) -> MemoryProfiler:
         return XlaMemoryProfiler(self.name)
 
-    def graph_capture_strategies(self) -> list[str]:
-        return ["xla"]
-
     def graph_capture(self, config) -> GraphCapture:
         if config.device.graph_capture not in (None, "xla"):
             raise ValueError(f"graph_capture {config.device.graph_capture!r} is not offered by the tpu platform "
@@ -75,27 +66,10 @@ class TpuPlatform(Platform):
                                   compile_fn=None if eager else openxla_compile, step_fn=xla_mark_step,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens or 2048)
 
-    def graph_capture_name(self, config) -> str:
-        return "xla"
-
-    def distributed_backend(self) -> str:
-        return "xla"
-
     def check_and_update_config(self, config) -> None:
-        resolve_dtype(config.model.dtype, torch.bfloat16)
-        if config.model.dtype == "auto":
-            config.model.dtype = "bfloat16"
+        super().check_and_update_config(config)
         if config.model.dtype in ("float16", "fp16", "half"):
             raise ValueError("dtype float16 is not supported on TPU; use bfloat16 or float32")
-
-    def device(self) -> torch.device:
-        import torch_xla.core.xla_model as xm
-        return xm.xla_device()
-
-    def synchronize(self) -> None:
-        import torch_xla.core.xla_model as xm
-        xm.mark_step()
-        xm.wait_device_ops()
 
     def set_seed(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm

@@ -14,6 +14,8 @@ start-up ("precompile"), instead of at the first request that happens to hit it:
 
 The padding itself is plain torch and is unit-tested on the CPU; the compile step needs the
 device package and runs only there.
+
+The probe and the XlaPlatform base that TPU and Neuron share live here too.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import torch
 
 from tokenmill.attention_backends.interface import AttentionMetadata
 
-from .interface import GraphCapture
+from . import _probe
+from .interface import Availability, GraphCapture, Platform, resolve_dtype
 
 logger = logging.getLogger("tokenmill.platforms.xla")
 
@@ -156,3 +159,47 @@ def openxla_compile(forward: Callable) -> Callable:
     except Exception as exc:  # pragma: no cover - only on XLA hosts
         logger.warning("torch.compile(backend='openxla') unavailable (%s): using lazy-tensor tracing", exc)
     return forward
+
+
+def probe_xla_runtime(platform: str, package: str, probe_device: Callable[[], Availability]) -> Availability:
+    """Availability of an XLA platform whose runtime is `package`: not installed, else `probe_device`.
+
+    `platform.probe()` must never raise, and a broken driver or half-installed runtime raises from
+    anywhere in the probe, so the whole probe, the package check included, runs under one guard.
+    """
+    try:
+        # find_spec, not import: importing an XLA runtime can take seconds and grab the device.
+        if not _probe.module_present(package):
+            return Availability.no(f"{package} is not installed")
+        return probe_device()
+    except Exception as exc:
+        return Availability.no(f"probing {platform} failed: {_probe.exc_text(exc)}")
+
+
+class XlaPlatform(Platform):
+    """What every torch_xla-backed platform shares: one "xla" device, graph capture and collectives."""
+    torch_device = "xla"
+
+    def graph_capture_strategies(self) -> list[str]:
+        return ["xla"]
+
+    def graph_capture_name(self, config) -> str:
+        return "xla"
+
+    def distributed_backend(self) -> str:
+        return "xla"
+
+    def check_and_update_config(self, config) -> None:
+        # bfloat16 is what TPU and NeuronCore matmul units run natively, so "auto" means it here.
+        resolve_dtype(config.model.dtype, torch.bfloat16)
+        if config.model.dtype == "auto":
+            config.model.dtype = "bfloat16"
+
+    def device(self) -> torch.device:
+        import torch_xla.core.xla_model as xm
+        return xm.xla_device()
+
+    def synchronize(self) -> None:
+        import torch_xla.core.xla_model as xm
+        xm.mark_step()
+        xm.wait_device_ops()

@@ -2,6 +2,14 @@
 
 The engine runs in its own process (see engine_client.py); this process does HTTP, JSON,
 chat templates, tokenization of prompts and formatting of the engine's deltas.
+
+One request, from HTTP to tokens (`_completions` and `_chat` follow the same path):
+  1. parse and check the body, tokenize the prompt(s), build the SamplingParams;
+  2. `_Group` adds one engine request per prompt; the engine's deltas arrive on the group's queue;
+  3. the route's `absorb` folds each delta into its `_Choice`s and says which choices changed;
+  4. non-streamed: `_collect` absorbs until the end, then the route builds one JSON body;
+     streamed: `_stream` turns every change into an SSE chunk shaped by the route's `shape`.
+A client that disconnects gets its engine requests aborted (`_Group.close`) in both cases.
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Iterable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -400,6 +408,71 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[
     return usage
 
 
+# ================================================================================== driving a group
+# A change to one choice, as `absorb` reports it: (index, new text, new logprobs, finish_reason, stop_reason).
+_Event = tuple[int, str, Any, Optional[str], Any]
+# A route's `absorb(prompt_index, delta)`: fold one engine delta into its choices, return what changed.
+_Absorb = Callable[[int, RequestDelta], Iterable[_Event]]
+
+
+async def _collect(request: Request, group: _Group, absorb: _Absorb) -> bool:
+    """Non-streamed: feed every delta to `absorb` until the engine is done. Returns False when the client
+    disconnected first. Either way the group is closed (unfinished engine requests aborted) on return."""
+    async def drain() -> None:
+        while (item := await group.next()) is not None:
+            absorb(*item)
+    try:
+        await _race_disconnect(request, drain())
+    except _ClientGone:
+        return False
+    finally:
+        group.close()
+    return True
+
+
+async def _stream(request: Request, group: _Group, *, head: dict[str, Any], include_usage: bool,
+                  opening: list[dict[str, Any]], absorb: _Absorb, shape: Callable[..., dict[str, Any]],
+                  usage: Callable[[], dict[str, Any]]) -> Response:
+    """Streamed: an SSE response of chunks `{**head, "choices": [choice]}` — first the `opening` choices,
+    then `shape(*event)` for every event `absorb` reports, then (with include_usage) a usage chunk, then
+    [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
+    the client disconnects."""
+    try:   # wait for the first output, so that errors the engine finds are still a plain HTTP error
+        first = await _race_disconnect(request, group.next())
+    except _ClientGone:
+        group.close()
+        return Response(status_code=499)
+    except BaseException:
+        group.close()
+        raise
+
+    def chunk(choice: dict[str, Any]) -> str:
+        obj = {**head, "choices": [choice]}
+        if include_usage:
+            obj["usage"] = None
+        return _sse(obj)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for choice in opening:
+                yield chunk(choice)
+            item = first
+            while item is not None:
+                for event in absorb(*item):
+                    yield chunk(shape(*event))
+                item = await group.next()
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": usage()})
+            yield "data: [DONE]\n\n"
+        except E.APIError as err:
+            yield err.sse()
+            yield "data: [DONE]\n\n"
+        finally:
+            group.close()
+
+    return _SSEResponse(events(), group.close)
+
+
 # ================================================================================== completions
 class _CompletionFormatter:
     def __init__(self, state: _State, req: CompletionRequest, k: Optional[int]) -> None:
@@ -492,7 +565,7 @@ async def _completions(state: _State, request: Request) -> Response:
         for (i, j), ch in choices.items():
             ch.offset = len(p.prompt_texts[i] or "")
 
-    def absorb(sub: int, d: RequestDelta) -> list[tuple[int, str, Any, Optional[str], Any]]:
+    def absorb(sub: int, d: RequestDelta) -> list[_Event]:
         """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
         events = []
         for c in d.outputs:
@@ -517,68 +590,29 @@ async def _completions(state: _State, request: Request) -> Response:
     def usage() -> dict[str, Any]:
         return _usage(sum(len(x) for x in p.prompts), sum(ch.num_tokens for ch in choices.values()))
 
+    def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> dict[str, Any]:
+        """One choice of a response body or of a streamed chunk (both have the same shape here)."""
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, "stop_reason": stop_reason}
+
     if not req.stream:
-        async def collect() -> None:
-            while (item := await group.next()) is not None:
-                absorb(*item)
-        try:
-            await _race_disconnect(request, collect())
-        except _ClientGone:
-            group.close()
+        if not await _collect(request, group, absorb):
             return Response(status_code=499)
-        finally:
-            group.close()
         out = []
         for (i, j), ch in sorted(choices.items()):
             text = "".join(ch.text)
             if echo:
                 text = (p.prompt_texts[i] or "") + text
-            out.append({"index": i * p.n + j, "text": text, "logprobs": ch.lp, "finish_reason": ch.finish_reason,
-                        "stop_reason": ch.stop_reason})
+            out.append(shape(i * p.n + j, text, ch.lp, ch.finish_reason, ch.stop_reason))
         return JSONResponse({"id": p.request_id, "object": "text_completion", "created": created, "model": p.model,
                              "choices": out, "usage": usage()})
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    try:   # wait for the first output, so that errors the engine finds are still a plain HTTP error
-        first = await _race_disconnect(request, group.next())
-    except _ClientGone:
-        group.close()
-        return Response(status_code=499)
-    except BaseException:
-        group.close()
-        raise
-
-    def chunk(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> str:
-        obj: dict[str, Any] = {"id": p.request_id, "object": "text_completion", "created": created,
-                               "model": p.model,
-                               "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
-                                            "stop_reason": stop_reason}]}
-        if include_usage:
-            obj["usage"] = None
-        return _sse(obj)
-
-    async def stream() -> AsyncIterator[str]:
-        try:
-            if echo:
-                for i, t in enumerate(p.prompt_texts):
-                    for j in range(p.n):
-                        yield chunk(i * p.n + j, t or "", None, None, None)
-            item = first
-            while item is not None:
-                for ev in absorb(*item):
-                    yield chunk(*ev)
-                item = await group.next()
-            if include_usage:
-                yield _sse({"id": p.request_id, "object": "text_completion", "created": created, "model": p.model,
-                            "choices": [], "usage": usage()})
-            yield "data: [DONE]\n\n"
-        except E.APIError as err:
-            yield err.sse()
-            yield "data: [DONE]\n\n"
-        finally:
-            group.close()
-
-    return _SSEResponse(stream(), group.close)
+    # With echo, the stream opens with each prompt's text, once per choice of that prompt.
+    opening = [shape(i * p.n + j, t or "", None, None, None)
+               for i, t in enumerate(p.prompt_texts) for j in range(p.n)] if echo else []
+    return await _stream(
+        request, group, head={"id": p.request_id, "object": "text_completion", "created": created, "model": p.model},
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        opening=opening, absorb=absorb, shape=shape, usage=usage)
 
 
 # ================================================================================== chat
@@ -637,7 +671,8 @@ async def _chat(state: _State, request: Request) -> Response:
     created = int(time.time())
     choices = [_Choice() for _ in range(n)]
 
-    def absorb(d: RequestDelta) -> list[tuple[int, str, Any, Optional[str], Any]]:
+    def absorb(_sub: int, d: RequestDelta) -> list[_Event]:
+        """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
         events = []
         for c in d.outputs:
             if not 0 <= c.index < n:
@@ -659,16 +694,8 @@ async def _chat(state: _State, request: Request) -> Response:
         return _usage(len(ids), sum(ch.num_tokens for ch in choices))
 
     if not req.stream:
-        async def collect() -> None:
-            while (item := await group.next()) is not None:
-                absorb(item[1])
-        try:
-            await _race_disconnect(request, collect())
-        except _ClientGone:
-            group.close()
+        if not await _collect(request, group, absorb):
             return Response(status_code=499)
-        finally:
-            group.close()
         out = [{"index": j, "message": {"role": "assistant", "content": "".join(ch.text)},
                 "logprobs": {"content": ch.lp or []} if k is not None else None,
                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
@@ -676,48 +703,21 @@ async def _chat(state: _State, request: Request) -> Response:
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                              "choices": out, "usage": usage()})
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    try:
-        first = await _race_disconnect(request, group.next())
-    except _ClientGone:
-        group.close()
-        return Response(status_code=499)
-    except BaseException:
-        group.close()
-        raise
-
-    def chunk(index: int, delta: dict[str, Any], lp: Any, finish: Optional[str], stop_reason: Any = None) -> str:
-        obj: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                               "model": model,
-                               "choices": [{"index": index, "delta": delta,
-                                            "logprobs": {"content": lp} if lp is not None else None,
-                                            "finish_reason": finish}]}
+    def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> dict[str, Any]:
+        """One choice of a streamed chunk: the new text as a delta of the assistant message."""
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {},
+                                  "logprobs": {"content": lp} if lp is not None else None, "finish_reason": finish}
         if finish is not None:
-            obj["choices"][0]["stop_reason"] = stop_reason
-        if include_usage:
-            obj["usage"] = None
-        return _sse(obj)
+            choice["stop_reason"] = stop_reason
+        return choice
 
-    async def stream() -> AsyncIterator[str]:
-        try:
-            for j in range(n):
-                yield chunk(j, {"role": "assistant", "content": ""}, None, None)
-            item = first
-            while item is not None:
-                for index, text, lp, finish, stop_reason in absorb(item[1]):
-                    yield chunk(index, {"content": text} if text else {}, lp, finish, stop_reason)
-                item = await group.next()
-            if include_usage:
-                yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": usage()})
-            yield "data: [DONE]\n\n"
-        except E.APIError as err:
-            yield err.sse()
-            yield "data: [DONE]\n\n"
-        finally:
-            group.close()
-
-    return _SSEResponse(stream(), group.close)
+    # The stream opens with an empty assistant message per choice.
+    opening = [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+               for j in range(n)]
+    return await _stream(
+        request, group, head={"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model},
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        opening=opening, absorb=absorb, shape=shape, usage=usage)
 
 
 # ================================================================================== app
