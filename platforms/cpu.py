@@ -112,6 +112,8 @@ class CpuPlatform(Platform):
         bf16 weights with fp32 activations (Bf16WeightLinear)."""
         from tokenmill.core.layers.embedding import LMHead
 
+        from . import cpu_kernels
+        from .cpu_layer_kernels import apply_layer_kernels
         from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, Int8HeadLinear, apply_linear_kernel
 
         if config.model.quantization == "int4":
@@ -120,6 +122,9 @@ class CpuPlatform(Platform):
                 for module in model.modules():
                     if isinstance(module, LMHead):
                         module.use_kernel(Int8HeadLinear())
+            if cpu_kernels.available() is None:
+                # Not bit-identical to the torch ops, so only where parity is not promised.
+                apply_layer_kernels(model)
             return
         weights = resolve_dtype(config.model.dtype, torch.float32)
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()

@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger("tokenmill.attention_backends.cpu_kernels")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-ABI_VERSION = 3
+ABI_VERSION = 4
 # -ffast-math at compile time only: it lets gcc call glibc's vectorized expf. (At link time it
 # would add crtfastmath.o, which flips the whole process to flush-denormals-to-zero.)
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -78,6 +78,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for fn in (lib.paged_decode_f32, lib.paged_decode_bf16kv):
         fn.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64, i64, p]
+        fn.restype = None
+    lib.rms_norm_f32.argtypes = [p, p, p, f32, p, p, i64, i64]
+    lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64]
+    lib.silu_mul_f32.argtypes = [p, p, i64, i64]
+    for fn in (lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32):
         fn.restype = None
     lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.quantize_rows_int8.restype = None

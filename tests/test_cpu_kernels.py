@@ -90,3 +90,40 @@ def test_int8_quantize_and_dequantize_match_torch(monkeypatch):
     exact = x @ weight.t() + bias
     # int8 error stays small next to the output's scale, thanks to the outlier channels.
     assert (native - exact).abs().max() < 0.01 * exact.abs().max()
+
+
+def test_layer_kernels_match_the_torch_layers():
+    """RMSNorm (with and without the residual add), rotary embedding on a strided view of a fused
+    qkv output, and SiLU-and-multiply: native and torch agree to float32 rounding."""
+    from tokenmill.core.layers.activation import SiluAndMul
+    from tokenmill.core.layers.norm import RMSNorm
+    from tokenmill.core.layers.rotary import RotaryEmbedding
+    from tokenmill.platforms.cpu_layer_kernels import NativeRMSNorm, NativeRotary, NativeSiluAndMul
+
+    torch.manual_seed(0)
+    for rows in (1, 5, 40):                       # 40: the threaded branch
+        norm = RMSNorm(576, 1e-5)
+        norm.weight.data.normal_()
+        x, res = torch.randn(rows, 576), torch.randn(rows, 576)
+        plain, plain_pair = norm(x), norm(x, res)
+        norm.use_kernel(NativeRMSNorm())
+        torch.testing.assert_close(norm(x), plain)
+        for got, want in zip(norm(x, res), plain_pair):
+            torch.testing.assert_close(got, want)
+
+        rope = RotaryEmbedding(64, 512, 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+        qkv = torch.randn(rows, (9 + 3 + 3) * 64)
+        qk = qkv[:, :12 * 64].view(rows, 12, 64)  # row stride 15 * 64: not contiguous
+        positions = torch.randint(0, 512, (rows,))
+        plain = rope(positions, qk)
+        rope.use_kernel(NativeRotary())
+        rope.new_forward()
+        torch.testing.assert_close(rope(positions, qk), plain)
+
+        act = SiluAndMul()
+        h = torch.randn(rows, 2 * 1536)
+        plain = act(h)
+        act.use_kernel(NativeSiluAndMul())
+        torch.testing.assert_close(act(h), plain)
+    # What a kernel does not cover falls back to torch.
+    assert NativeSiluAndMul()(torch.randn(2, 8, dtype=torch.bfloat16)) is NotImplemented

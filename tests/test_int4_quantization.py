@@ -82,3 +82,26 @@ def test_engine_runs_int4_and_rejects_unknown_quantization():
     assert "5" in outs[2].outputs[0].text
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="awq-bogus", max_model_len=512, kv_cache_memory=32 << 20)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
+def test_int4_runs_every_architecture_close_to_float32(kind, tmp_path):
+    """Biases, q/k norms (3-D inputs the fused norm leaves to torch), sliding windows and a tied
+    head all go through the quantized path; prompt log-probs stay near float32's."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from model_helpers import save_tiny_checkpoint
+
+    save_tiny_checkpoint(kind, str(tmp_path))
+    prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    runs = []
+    for quantization in (None, "int4"):
+        llm = LLM(str(tmp_path), quantization=quantization, kv_cache_memory=16 << 20, generation_config="none")
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+    for exact, quant in zip(*runs):
+        assert len(quant.outputs[0].token_ids) == 6
+        a = [next(iter(d.values())) for d in exact.prompt_logprobs if d]
+        b = [next(iter(d.values())) for d in quant.prompt_logprobs if d]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 0.05

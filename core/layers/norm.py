@@ -19,6 +19,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self._kernel = None
+
+    def use_kernel(self, kernel) -> None:
+        """Run through `kernel(x, residual, weight, eps)` (a platform's fused op, e.g.
+        platforms/cpu_layer_kernels.py); it may return NotImplemented to fall back. None: torch."""
+        self._kernel = kernel
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # The weight is applied after rounding to the input dtype, exactly where HF applies it.
@@ -27,6 +33,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual) — the
         pre-norm decoder's residual add folded into the next norm."""
+        if self._kernel is not None:
+            out = self._kernel(x, residual, self.weight, self.eps)
+            if out is not NotImplemented:
+                return out
         if residual is None:
             return self._norm(x)
         residual = x + residual

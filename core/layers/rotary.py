@@ -46,6 +46,12 @@ class RotaryEmbedding(nn.Module):
         # layers): look cos/sin up once per positions tensor, not once per layer.
         self._last_positions: Optional[torch.Tensor] = None
         self._last_cos_sin: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._kernel = None
+
+    def use_kernel(self, kernel) -> None:
+        """Run through `kernel(positions, x, cos_sin_cache)` (a platform's fused op); it may
+        return NotImplemented. None: torch."""
+        self._kernel = kernel
 
     def new_forward(self) -> None:
         """Forget the memoized lookup: a captured graph may refill the same positions buffer."""
@@ -59,6 +65,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_heads, D] (any heads: pass q and k stacked to rotate both at once) -> rotated copy."""
+        if self._kernel is not None:
+            out = self._kernel(positions, x, self.cos_sin_cache)
+            if out is not NotImplemented:
+                return out
         cos, sin = self._cos_sin(positions)
         x1, x2 = x[..., :self.half], x[..., self.half:]
         # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): the HF rotate_half form, same rounding.

@@ -1,6 +1,9 @@
 // Native CPU kernels of the cpu platform:
 //  * paged decode attention: one query token per sequence, K/V read in place from the block
 //    pool (no gather copy), grouped-query heads sharing each K/V row they read;
+//  * the small per-layer ops of a decode step (residual add + RMSNorm, rotary embedding,
+//    SiLU-and-multiply), each one call instead of 3-8 torch ops, whose dispatch overhead is what
+//    a one-token step spends its time on after the matmuls;
 //  * the two ends of an int8 x int8 GEMM with per-token activation scales (quantize the rows,
 //    taking out the outlier channels; dequantize the int32 result), each one pass over memory
 //    instead of the ~12 small torch ops they replace.
@@ -141,7 +144,66 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 3; }
+int tokenmill_kernels_abi_version() { return 4; }
+
+// out = rmsnorm(x (+ residual)) * weight; with residual non-null, residual_out = x + residual.
+// Rows are contiguous; threads only for batches big enough to pay for waking them.
+void rms_norm_f32(const float* x, const float* residual, const float* weight, float eps, float* out,
+                  float* residual_out, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    float* orow = out + r * cols;
+    const float* src = xr;
+    if (residual) {
+      float* rr = residual_out + r * cols;
+      const float* res = residual + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) rr[c] = xr[c] + res[c];
+      src = rr;
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < cols; ++c) ss += src[c] * src[c];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) orow[c] = src[c] * inv * weight[c];
+  }
+}
+
+// Rotary embedding, HF "rotate half" layout: for each token t and head h of x (row stride
+// x_row_stride, heads contiguous inside a row), out[t, h] = (x1 cos - x2 sin, x2 cos + x1 sin)
+// with cos | sin = cos_sin[positions[t]] (each head_size / 2 wide). out is contiguous.
+void rope_f32(const float* x, int64_t x_row_stride, const float* cos_sin, const int64_t* positions,
+              float* out, int64_t tokens, int64_t heads, int64_t head_size) {
+  const int64_t half = head_size / 2;
+#pragma omp parallel for schedule(static) if (tokens >= 16)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cs = cos_sin + positions[t] * head_size;
+    const float* sn = cs + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xh = x + t * x_row_stride + h * head_size;
+      float* oh = out + (t * heads + h) * head_size;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        oh[i] = xh[i] * cs[i] - xh[half + i] * sn[i];
+        oh[half + i] = xh[half + i] * cs[i] + xh[i] * sn[i];
+      }
+    }
+  }
+}
+
+// out [rows, inter] = silu(x[:, :inter]) * x[:, inter:2 * inter], x rows contiguous (2 * inter).
+void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * 2 * inter;
+    const float* up = gate + inter;
+    float* orow = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) orow[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+}
 
 // x [M, K] float32 -> q [M, K] int8 (outlier channels set to 0), token_scale [M],
 // outliers [num_outliers] int64 (the channels with the largest |x| over all rows, descending),

@@ -1,0 +1,88 @@
+"""Native CPU kernels for the small per-layer ops (RMSNorm with its residual add, rotary
+embedding, SiLU-and-multiply), swapped into the core layers by the cpu platform's prepare_model.
+
+Why: after the matmuls, a one-token decode step spends its time dispatching ~45 small torch ops
+per layer; each of these replaces 3-8 of them with one call (platforms/csrc/cpu_kernels.cpp).
+Float32 results agree with the torch path to rounding, not bit for bit (summation order, exp),
+so they are used only where exact parity with transformers is not promised (quantization="int4").
+A kernel returns NotImplemented for inputs it does not cover (other dtypes, strides), and the
+layer then runs its torch code.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import cpu_kernels
+
+
+def _lib():
+    return cpu_kernels.load()[0]
+
+
+class NativeRMSNorm:
+    name = "native_rms_norm"
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> Any:
+        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                              or residual.shape != x.shape))):
+            return NotImplemented
+        rows, cols = x.shape
+        out = torch.empty_like(x)
+        new_residual = torch.empty_like(x) if residual is not None else None
+        _lib().rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                            weight.data_ptr(), float(eps), out.data_ptr(),
+                            new_residual.data_ptr() if new_residual is not None else None, rows, cols)
+        return out if residual is None else (out, new_residual)
+
+
+class NativeRotary:
+    name = "native_rope"
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
+        """x [T, heads, D] with heads contiguous inside each token's row (a view into the fused
+        qkv output is fine) -> rotated contiguous copy."""
+        if (x.dtype != torch.float32 or cos_sin_cache.dtype != torch.float32 or x.dim() != 3
+                or x.stride(2) != 1 or x.stride(1) != x.shape[2] or not cos_sin_cache.is_contiguous()
+                or positions.dtype != torch.long or not positions.is_contiguous()):
+            return NotImplemented
+        tokens, heads, head_size = x.shape
+        out = torch.empty((tokens, heads, head_size), dtype=x.dtype)
+        _lib().rope_f32(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
+                        out.data_ptr(), tokens, heads, head_size)
+        return out
+
+
+class NativeSiluAndMul:
+    name = "native_silu_mul"
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+            return NotImplemented
+        rows, width = x.shape
+        out = torch.empty((rows, width // 2), dtype=x.dtype)
+        _lib().silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+
+def apply_layer_kernels(model: torch.nn.Module) -> int:
+    """Swap the native kernels into every RMSNorm, RotaryEmbedding and SiluAndMul of `model`
+    (once each: the rotary table is shared by all layers); returns how many were swapped."""
+    from tokenmill.core.layers.activation import SiluAndMul
+    from tokenmill.core.layers.norm import RMSNorm
+    from tokenmill.core.layers.rotary import RotaryEmbedding
+
+    reason = cpu_kernels.available()
+    if reason:
+        raise ValueError(f"native CPU kernels cannot run here: {reason}")
+    kinds = ((RMSNorm, NativeRMSNorm()), (RotaryEmbedding, NativeRotary()), (SiluAndMul, NativeSiluAndMul()))
+    count = 0
+    for module in model.modules():      # each module once, however often it is shared
+        for cls, kernel in kinds:
+            if isinstance(module, cls):
+                module.use_kernel(kernel)
+                count += 1
+    return count
