@@ -62,15 +62,16 @@ def apply_linear_kernel(model: nn.Module, kernel: LinearKernel, include_lm_head:
     """Switch every Linear (and, unless told otherwise, the LMHead) of `model` to `kernel`;
     returns how many were switched."""
     from tokenmill.core.layers.embedding import LMHead
+    from tokenmill.core.layers.linear import Linear
 
     reason = kernel.available()
     if reason:
         raise ValueError(f"linear kernel {kernel.name!r} cannot run here: {reason}")
+    targets = (Linear, LMHead) if include_lm_head else (Linear,)
     count = 0
     for module in model.modules():
-        use = getattr(module, "use_kernel", None)
-        if use is not None and (include_lm_head or not isinstance(module, LMHead)):
-            use(kernel)
+        if isinstance(module, targets):
+            module.use_kernel(kernel)
             count += 1
     return count
 
