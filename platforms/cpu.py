@@ -104,24 +104,20 @@ class CpuPlatform(Platform):
         return torch.float32 if dtype == torch.bfloat16 and not cpu_has_amx() else dtype
 
     def prepare_model(self, model, config) -> None:
-        """Swap in the CPU matmul kernels the configuration asks for (platforms/cpu_linear.py).
+        """Swap in the CPU kernels the configuration asks for (platforms/cpu_linear.py,
+        platforms/cpu_layer_kernels.py).
 
-        quantization="int4": every Linear through Int4WeightLinear; the LM head through
-        Int8HeadLinear (its GGUF source is usually 8-bit, which 4 bits would visibly change).
-        bf16 on a CPU without AMX:
+        quantization="int4": every Linear through Int4WeightLinear, the LM head through
+        Int8HeadLinear (its GGUF source is usually 8-bit, which 4 bits would visibly change), and
+        the fused native norm/rope/SiLU kernels when they build here. bf16 on a CPU without AMX:
         bf16 weights with fp32 activations (Bf16WeightLinear)."""
-        from tokenmill.core.layers.embedding import LMHead
-
         from . import cpu_kernels
         from .cpu_layer_kernels import apply_layer_kernels
         from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, Int8HeadLinear, apply_linear_kernel
 
         if config.model.quantization == "int4":
             apply_linear_kernel(model, Int4WeightLinear(), include_lm_head=False)
-            if Int8HeadLinear.available() is None:
-                for module in model.modules():
-                    if isinstance(module, LMHead):
-                        module.use_kernel(Int8HeadLinear())
+            apply_linear_kernel(model, Int8HeadLinear(), include_linears=False)
             if cpu_kernels.available() is None:
                 # Not bit-identical to the torch ops, so only where parity is not promised.
                 apply_layer_kernels(model)
@@ -138,6 +134,13 @@ class CpuPlatform(Platform):
 
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name
+        if config.model.quantization == "int4":
+            # Its kernels take float32 activations (int8 GEMMs quantize from them); with bf16
+            # activations every matmul would fall back to dense and the mode would buy nothing.
+            if config.model.dtype not in ("auto", "float32"):
+                raise ValueError(f"dtype {config.model.dtype!r} cannot be combined with quantization 'int4' "
+                                 f"on the cpu platform; use dtype auto or float32")
+            config.model.dtype = "float32"
         if config.model.dtype == "auto":
             # Measured on this AVX512_BF16 host without AMX (SmolLM2-135M, 2 threads): fp32 is the
             # fastest everywhere — large GEMMs 274 vs 154 GFLOP/s, and a single-stream decode step

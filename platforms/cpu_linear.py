@@ -58,16 +58,16 @@ class MkldnnPackedLinear(LinearKernel):
         return torch.ops.mkldnn._linear_pointwise(x, prepared, bias, "none", [], "")
 
 
-def apply_linear_kernel(model: nn.Module, kernel: LinearKernel, include_lm_head: bool = True) -> int:
-    """Switch every Linear (and, unless told otherwise, the LMHead) of `model` to `kernel`;
-    returns how many were switched."""
+def apply_linear_kernel(model: nn.Module, kernel: LinearKernel, include_linears: bool = True,
+                        include_lm_head: bool = True) -> int:
+    """Switch the Linears and/or the LMHead of `model` to `kernel`; returns how many were switched."""
     from tokenmill.core.layers.embedding import LMHead
     from tokenmill.core.layers.linear import Linear
 
     reason = kernel.available()
     if reason:
         raise ValueError(f"linear kernel {kernel.name!r} cannot run here: {reason}")
-    targets = (Linear, LMHead) if include_lm_head else (Linear,)
+    targets = ((Linear,) if include_linears else ()) + ((LMHead,) if include_lm_head else ())
     count = 0
     for module in model.modules():
         if isinstance(module, targets):

@@ -330,15 +330,19 @@ class _PluginState:
             if impl is None:
                 continue
             report = self.reports[plugin_name]
+
+            def reject(message: str, warn: bool = True) -> None:
+                report.errors.append(message)
+                errors.append(f"{plugin_name}: {message}")
+                if warn:
+                    logger.warning("plugin %r: %s", plugin_name, message)
+
             try:
                 contributed = impl.function() or {}
                 if not isinstance(contributed, dict):
                     raise TypeError(f"{hook_name} must return a dict, got {type(contributed).__name__}")
             except Exception as exc:
-                message = f"{hook_name} raised {_error_text(exc)}"
-                report.errors.append(message)
-                errors.append(f"{plugin_name}: {message}")
-                logger.warning("plugin %r: %s", plugin_name, message)
+                reject(f"{hook_name} raised {_error_text(exc)}")
                 continue
             for key, value in contributed.items():
                 try:
@@ -347,15 +351,11 @@ class _PluginState:
                     if problem:
                         raise TypeError(problem)
                 except Exception as exc:
-                    message = f"{hook_name}[{key!r}]: {_error_text(exc)}"
-                    report.errors.append(message)
-                    errors.append(f"{plugin_name}: {message}")
-                    logger.warning("plugin %r: %s", plugin_name, message)
+                    reject(f"{hook_name}[{key!r}]: {_error_text(exc)}")
                     continue
                 if key in found:
-                    message = f"{hook_name}[{key!r}] already contributed by plugin {found[key][1]!r}; ignored"
-                    report.errors.append(message)
-                    errors.append(f"{plugin_name}: {message}")
+                    reject(f"{hook_name}[{key!r}] already contributed by plugin {found[key][1]!r}; ignored",
+                           warn=False)
                     continue
                 found[key] = (obj, plugin_name)
         return found, errors

@@ -82,6 +82,8 @@ def test_engine_runs_int4_and_rejects_unknown_quantization():
     assert "5" in outs[2].outputs[0].text
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="awq-bogus", max_model_len=512, kv_cache_memory=32 << 20)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(quantization="int4", dtype="bfloat16", max_model_len=512, kv_cache_memory=32 << 20)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3"])
