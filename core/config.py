@@ -3,7 +3,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
+
+
+# dtype names users may pass -> the canonical name EngineConfig.validate() leaves in ModelConfig.dtype.
+DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The torch dtype of a canonical (or aliased) dtype name other than "auto"."""
+    import torch
+    canonical = DTYPE_ALIASES.get(name)
+    if canonical in (None, "auto"):
+        raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPE_ALIASES))}; got {name!r}")
+    return getattr(torch, canonical)
 
 
 @dataclass
@@ -79,6 +97,9 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
+        if self.model.dtype not in DTYPE_ALIASES:
+            raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPE_ALIASES))}; got {self.model.dtype!r}")
+        self.model.dtype = DTYPE_ALIASES[self.model.dtype]
         if self.cache.block_size <= 0 or self.cache.block_size & (self.cache.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.cache.block_size}")
         if self.scheduler.max_num_seqs <= 0:

@@ -1,4 +1,11 @@
-"""What the engine hands back: per-request outputs with text, tokens, logprobs and timings."""
+"""What the engine hands back.
+
+Each step the engine emits one `RequestDelta` per request that progressed: only what is new
+(token ids, text, logprobs, finish reason), so the cost per step is proportional to the
+tokens produced, never to the length of the output so far. Consumers that want the whole
+output (the offline `LLM`) fold the deltas with `OutputAccumulator` into a `RequestOutput`;
+the server streams them as they come.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,3 +67,63 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[LogprobsEntry]]] = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionDelta:
+    """What one sequence (choice `index`) produced in one step."""
+    index: int
+    token_ids: list[int]                               # new token ids
+    text: str                                          # new text (a possible partial stop string held back)
+    logprobs: Optional[list[LogprobsEntry]] = None     # new entries, one per new token (when requested)
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None                # set on the sequence's last delta
+    stop_reason: Optional[object] = None
+
+
+@dataclass
+class RequestDelta:
+    """One request's progress in one step: the only message the engine emits."""
+    request_id: str
+    outputs: list[CompletionDelta]                     # the choices that progressed this step
+    finished: bool = False                             # every choice has finished
+    num_cached_tokens: int = 0                         # prompt tokens found in the prefix cache
+    prompt_logprobs: Optional[list[Optional[LogprobsEntry]]] = None   # new prompt positions (when requested)
+    metrics: Optional[RequestMetrics] = None           # on the finishing delta
+
+
+class OutputAccumulator:
+    """Folds a request's deltas into the cumulative `RequestOutput` (vLLM's offline shape)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], n: int,
+                 want_logprobs: bool = False, want_prompt_logprobs: bool = False) -> None:
+        self.output = RequestOutput(
+            request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+            outputs=[CompletionOutput(index=i, text="", token_ids=[],
+                                      logprobs=[] if want_logprobs else None) for i in range(n)],
+            finished=False, metrics=RequestMetrics(arrival_time=0.0),
+            prompt_logprobs=[None] if want_prompt_logprobs else None)
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+
+    def add(self, delta: RequestDelta) -> RequestOutput:
+        out = self.output
+        for d in delta.outputs:
+            choice = out.outputs[d.index]
+            choice.token_ids.extend(d.token_ids)
+            if d.text:
+                self._texts[d.index].append(d.text)
+            if d.logprobs is not None and choice.logprobs is not None:
+                choice.logprobs.extend(d.logprobs)
+            choice.cumulative_logprob = d.cumulative_logprob
+            if d.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+        if delta.prompt_logprobs and out.prompt_logprobs is not None:
+            out.prompt_logprobs.extend(delta.prompt_logprobs)
+        out.num_cached_tokens = delta.num_cached_tokens
+        if delta.metrics is not None:
+            out.metrics = delta.metrics
+        out.finished = delta.finished
+        if delta.finished:
+            for i, choice in enumerate(out.outputs):
+                choice.text = "".join(self._texts[i])
+        return out
