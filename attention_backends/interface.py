@@ -69,12 +69,13 @@ class AttentionConfig:
 
 class AttentionBackend:
     """One attention implementation. Subclass, declare capabilities, implement `forward`."""
+    api_version: ClassVar[int] = ATTENTION_API_VERSION
     name: ClassVar[str] = ""
     supported_head_sizes: ClassVar[Optional[tuple[int, ...]]] = None   # None = any
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = ("auto",)
     supported_block_sizes: ClassVar[Optional[tuple[int, ...]]] = None  # None = any power of two
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)   # platforms' dispatch keys; "*" = any
     supports_gqa: ClassVar[bool] = True
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
@@ -92,7 +93,7 @@ class AttentionBackend:
         missing = cls.probe()
         if missing:
             reasons.append(missing)
-        if config.device not in cls.supported_devices:
+        if "*" not in cls.supported_devices and config.device not in cls.supported_devices:
             reasons.append(f"device {config.device!r} not supported (supports {list(cls.supported_devices)})")
         if cls.supported_head_sizes is not None and config.head_size not in cls.supported_head_sizes:
             reasons.append(f"head size {config.head_size} not supported (supports {list(cls.supported_head_sizes)})")
@@ -139,28 +140,6 @@ class AttentionBackend:
         query: [T, H, D]. Returns [T, H, D] in query's dtype.
         """
         raise NotImplementedError
-
-
-FP8_KV_CACHE_DTYPES = {
-    "fp8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-}
-
-
-def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype of the KV-cache tensor: `dtype` for "auto", else the named fp8 format.
-
-    fp8 caches are unscaled (scale 1.0): values are cast on write and cast back on read.
-    """
-    if kv_cache_dtype in ("auto", None, ""):
-        return dtype
-    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-        name = FP8_KV_CACHE_DTYPES[kv_cache_dtype]
-        if not hasattr(torch, name):
-            raise ValueError(f"kv cache dtype {kv_cache_dtype!r} needs torch.{name}, missing in torch {torch.__version__}")
-        return getattr(torch, name)
-    raise ValueError(f"unknown kv cache dtype {kv_cache_dtype!r} (known: auto, {', '.join(FP8_KV_CACHE_DTYPES)})")
 
 
 class AttentionBackendUnavailable(ValueError):

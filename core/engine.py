@@ -1,123 +1,81 @@
-"""The engine loop: schedule → forward (one flattened batch) → sample → postprocess.
+"""The engine loop: schedule → forward (one flattened batch) → sample → update_from_output.
 
 `LLMEngine` is synchronous and single-process; the offline `LLM` drives it directly and the
-server runs it in its own process.
+server runs it in its own process (core/engine_process.py). Each `step()` returns one
+`RequestDelta` per request that progressed — only what is new — and requests are refused once,
+at `add_request`, with a `RequestError` naming the parameter.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
 
-from tokenmill.attention_backends.interface import AttentionConfig
-from tokenmill.plugins import discovery
-from tokenmill.platforms.interface import resolve_dtype
+from tokenmill.plugins import discovery, hooks
+from tokenmill.plugins.hookspecs import RequestEvent
 
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .errors import RequestError
+from .loaders.loader import load_model
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import EngineStats, RequestDelta, RequestMetrics
 from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .scheduler import Scheduler, SequenceUpdate
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from tokenmill.platforms.interface import Platform
 
 logger = logging.getLogger("tokenmill.engine")
 
 PromptType = Union[str, list[int], dict]
 
 
-def prompt_error(message: str, param: str = "prompt") -> ValueError:
-    err = ValueError(message)
-    err.param = param  # type: ignore[attr-defined]
-    return err
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float           # 0..1
-    prefix_cache_queries: int       # tokens, cumulative
-    prefix_cache_hits: int          # tokens, cumulative
-    num_preemptions: int            # cumulative
-    prompt_tokens: int              # cumulative computed prompt tokens
-    generation_tokens: int          # cumulative generated tokens
-
-
 class Request:
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "seqs", "metrics", "finished")
+    """One request in flight: its sequences (n of them) and its timings."""
+    __slots__ = ("request_id", "seqs", "metrics", "num_unfinished")
 
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                 seqs: list[Sequence], metrics: RequestMetrics) -> None:
+    def __init__(self, request_id: str, seqs: list[Sequence], metrics: RequestMetrics) -> None:
         self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
         self.seqs = seqs
         self.metrics = metrics
-        self.finished = False
-
-
-def bind_attention_backend(model: torch.nn.Module, backend_cls: type) -> None:
-    """Give every attention layer an instance of the chosen backend."""
-    for layer in model.attention_layers:
-        old = layer.impl
-        layer.impl = backend_cls(old.num_heads, old.head_size, old.scale, old.num_kv_heads,
-                                 sliding_window=old.sliding_window, logits_soft_cap=old.logits_soft_cap,
-                                 kv_cache_dtype=old.kv_cache_dtype)
+        self.num_unfinished = len(seqs)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from tokenmill.attention_backends.reference import ReferenceAttention
-        from tokenmill.core.loaders.loader import load_model
-
         self.config = config
-        self.platform = discovery.resolve_platform(config.device.device)
+        self.platform: Platform = discovery.resolve_platform(config.device.device)
         self.platform.check_and_update_config(config)
-        _check_quantization(config.model.quantization, self.platform)
-        self.weight_dtype = resolve_dtype(config.model.dtype, torch.float32)
-        self.dtype = self.platform.activation_dtype(self.weight_dtype)
         self.platform.set_seed(config.model.seed)
         start = time.perf_counter()
-        bundle = load_model(config.model.model, config.model.tokenizer, dtype=self.dtype,
-                            device=self.platform.device(), attn_backend_cls=ReferenceAttention,
-                            kv_cache_dtype=config.cache.kv_cache_dtype,
-                            extra_architectures=discovery.extra_model_architectures())
+        bundle = load_model(config, self.platform, self._choose_backend)
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
+        self.weight_dtype, self.dtype = bundle.weight_dtype, bundle.dtype
         config.finalize(bundle.max_model_len)
+        hooks.validate_config(config)      # plugins' checks see the final config (max_model_len known)
         self.max_model_len = config.model.max_model_len
         self.model_name = config.model.served_model_name or _stem(bundle.source.path)
+        self.attention_backend_name = bundle.attention_backend.name
 
-        layer = bundle.model.attention_layers[0].impl
-        attn_config = AttentionConfig(
-            head_size=layer.head_size, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            dtype=self.dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
-            sliding_window=layer.sliding_window, logits_soft_cap=layer.logits_soft_cap,
-            graph_capture=self.platform.graph_capture(config).name, device=self.platform.dispatch_key)
-        backend_cls = discovery.select_attention_backend(self.platform, attn_config, config.device.attention_backend)
-        bind_attention_backend(bundle.model, backend_cls)
-        self.attention_backend_name = backend_cls.name
-
-        self.platform.prepare_model(bundle.model, config)
         self.runner = ModelRunner(config, self.platform, bundle.model, self.dtype)
         self.num_kv_blocks = self.runner.num_blocks
-        self.block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
-        self.sampler = Sampler()
+        block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.eos_token_ids = tuple(bundle.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
+        self.sampler = Sampler()
         self.vocab_size = int(getattr(bundle.hf_config, "vocab_size", 0) or len(self.tokenizer))
         self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
+        # The one table of requests in flight in this process.
         self.requests: dict[str, Request] = {}
-        self.seq_to_request: dict[int, Request] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
+        self._emit = hooks.request_event_emitter()   # None when nothing subscribes: no cost per step
         capacity = self.num_kv_blocks * config.cache.block_size
         logger.info(
             "model %s (%s) on platform %s, dtype %s, attention backend %s, loaded in %.1fs",
@@ -127,6 +85,9 @@ class LLMEngine:
                     "max_model_len=%d: %.2fx", self.num_kv_blocks, config.cache.block_size, capacity,
                     self.num_kv_blocks * self.runner.bytes_per_block / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
+
+    def _choose_backend(self, attn_config: Any) -> type:
+        return discovery.select_attention_backend(self.platform, attn_config, self.config.device.attention_backend)
 
     @property
     def dtype_description(self) -> str:
@@ -153,40 +114,58 @@ class LLMEngine:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise prompt_error("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if "prompt" not in prompt:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt", "invalid_value")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_token_ids(prompt)
-        raise prompt_error(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
+                           "prompt", "invalid_type")
 
     def _check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise prompt_error("prompt_token_ids must be a list of integers")
+            raise RequestError("prompt_token_ids must be a list of integers", "prompt", "invalid_type")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise prompt_error(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+            raise RequestError(f"prompt token id {bad[0]} is out of vocabulary (0..{self.vocab_size - 1}).",
+                               "prompt", "invalid_value")
         return list(ids)
 
+    def _check_length(self, num_prompt: int, params: SamplingParams, max_tokens_must_fit: bool) -> None:
+        limit = self.max_model_len
+        if num_prompt == 0:
+            raise RequestError("The prompt is empty.", "prompt", "invalid_value")
+        if num_prompt + 1 > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, leaving no room for any output. Please reduce the length of the prompt.",
+                "prompt", "context_length_exceeded")
+        # Offline callers get generation capped at max_model_len (finish_reason "length"); the
+        # OpenAI server refuses a max_tokens the caller set that cannot fit, as OpenAI does.
+        # A default max_tokens (not set by the caller) is always just capped.
+        if (max_tokens_must_fit and params.max_tokens is not None and params.is_explicit("max_tokens")
+                and num_prompt + params.max_tokens > limit):
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, {params.max_tokens} in "
+                f"the completion). Please reduce the length of the prompt or of max_tokens.",
+                "max_tokens", "context_length_exceeded")
+        problem = self.scheduler.fits_in_pool(num_prompt + 1)
+        if problem:
+            raise RequestError(problem, "prompt", "invalid_value")
+
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> None:
+                    arrival_time: Optional[float] = None, priority: int = 0,
+                    max_tokens_must_fit: bool = False) -> None:
+        """Queue a request; RequestError (a ValueError naming the parameter) when it cannot run.
+        `max_tokens_must_fit`: refuse an explicit max_tokens beyond max_model_len (else: capped)."""
         if request_id in self.requests:
-            raise prompt_error(f"request id {request_id!r} is already in use", param="request_id")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id", "invalid_value")
         params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
-        if not token_ids:
-            raise prompt_error("the prompt is empty")
-        if len(token_ids) + 1 > self.max_model_len:
-            raise prompt_error(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"prompt has {len(token_ids)} tokens, leaving no room for any output.")
-        needed_blocks = -(-(len(token_ids) + 1) // self.config.cache.block_size)
-        if needed_blocks > self.num_kv_blocks:
-            raise prompt_error(f"the prompt needs {needed_blocks} KV blocks but the pool has only "
-                               f"{self.num_kv_blocks} (raise kv_cache_memory)")
+        self._check_length(len(token_ids), params, max_tokens_must_fit)
         if self.generation_defaults:
             params = params.with_generation_defaults(self.generation_defaults)
         now = time.time() if arrival_time is None else arrival_time
@@ -201,18 +180,15 @@ class LLMEngine:
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
             if params.logprobs is not None:
-                seq.logprobs = []
                 seq.cumulative_logprob = 0.0
-            if params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None]
             seqs.append(seq)
-        request = Request(request_id, text, token_ids, seqs, RequestMetrics(arrival_time=now))
-        self.requests[request_id] = request
+        self.requests[request_id] = Request(request_id, seqs, RequestMetrics(arrival_time=now))
         for seq in seqs:
-            self.seq_to_request[seq.seq_id] = request
             self.scheduler.add(seq)
+        self._event("arrived", self.requests[request_id])
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Drop requests wherever they are; nothing more is emitted for them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
@@ -223,7 +199,11 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
-                self.seq_to_request.pop(seq.seq_id, None)
+            request.metrics.finished_time = time.time()
+            self._event("aborted", request)
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -232,16 +212,15 @@ class LLMEngine:
         return len(self.requests)
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
+        s = self.scheduler.stats()
         return EngineStats(
-            num_running=len({s.request_id for s in self.scheduler.running}),
-            num_waiting=len({s.request_id for s in self.scheduler.waiting}),
-            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            num_running=len(s.running_request_ids), num_waiting=len(s.waiting_request_ids),
+            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens)
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -249,118 +228,66 @@ class LLMEngine:
                 raise RuntimeError("the scheduler cannot admit any waiting request")
             return []
         now = time.time()
-        for seq, n in batch.entries:
-            request = self.seq_to_request[seq.seq_id]
+        for seq in batch.first_scheduled:
+            request = self.requests[seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                self.prompt_tokens_total += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                self._event("scheduled", request)
+        if self._emit is not None:
+            for seq in batch.preempted:
+                self._event("preempted", self.requests[seq.request_id])
         result = self.runner.execute(batch)
-
-        sampled_tokens: list[int] = []
-        sample_out = None
+        sampled = None
         if result.sampled_seqs:
+            eos = self.eos_token_ids
             rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
                                 output_token_ids=s.output_token_ids, generator=s.generator,
-                                eos_token_ids=() if s.params.ignore_eos else self.eos_token_ids)
+                                eos_token_ids=() if s.params.ignore_eos else eos)
                     for s in result.sampled_seqs]
-            sample_out = self.sampler(result.logits, rows)
-            sampled_tokens = sample_out.token_ids
+            sampled = self.sampler(result.logits, rows)
+        return self._request_deltas(self.scheduler.update_from_output(batch, result, sampled))
 
-        for seq, n in batch.entries:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if seq.seq_id in result.prompt_logits:
-                self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
-
-        touched: dict[str, Request] = {}
+    def _request_deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
+        """Group the sequences' updates by request; close the requests that finished."""
+        deltas: dict[str, RequestDelta] = {}
         now = time.time()
-        for i, seq in enumerate(result.sampled_seqs):
-            request = self.seq_to_request[seq.seq_id]
-            token = sampled_tokens[i]
-            self._append_token(seq, token, sample_out, i)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            touched[request.request_id] = request
-        return [self._make_output(r) for r in touched.values()]
-
-    def _append_token(self, seq: Sequence, token: int, sample_out, row: int) -> None:
-        params = seq.params
-        seq.token_ids.append(token)
-        self.generation_tokens_total += 1
-        if seq.logprobs is not None and sample_out.top_logprobs[row] is not None:
-            seq.logprobs.append(sample_out.top_logprobs[row])
-            seq.cumulative_logprob += sample_out.sampled_logprobs[row]
-        stop_str = seq.detokenizer.append([token]) if seq.detokenizer is not None else None
-        num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif token in params.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif stop_str is not None:
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-        if seq.finish_reason is None and (
-                (params.max_tokens is not None and num_out >= params.max_tokens)
-                or seq.num_tokens >= self.max_model_len):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
-
-    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
-        if len(seq.prompt_logprobs) > start + logits.shape[0]:
-            return  # recomputed after a preemption: already recorded
-        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + logits.shape[0]], dtype=torch.long)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        k = seq.params.prompt_logprobs
-        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (None, None))
-        for j, target in enumerate(targets.tolist()):
-            if start + 1 + j < len(seq.prompt_logprobs):
+        for update in updates:
+            seq = update.seq
+            request = self.requests[seq.request_id]
+            delta = deltas.get(seq.request_id)
+            if delta is None:
+                delta = deltas[seq.request_id] = RequestDelta(
+                    seq.request_id, [], num_cached_tokens=request.seqs[0].num_cached_tokens)
+            if update.prompt_logprobs is not None:
+                delta.prompt_logprobs = update.prompt_logprobs
+            if update.delta is None:
                 continue
-            entry = {target: chosen[j]}
-            if k > 0:
-                entry.update(zip(top_ids[j].tolist(), top_vals[j].tolist()))
-            seq.prompt_logprobs.append(entry)
+            delta.outputs.append(update.delta)
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                self._event("first_token", request)
+            metrics.last_token_time = now
+            if update.delta.finish_reason is not None:
+                request.num_unfinished -= 1
+                if request.num_unfinished == 0:
+                    delta.finished = True
+                    metrics.finished_time = now
+                    delta.metrics = metrics
+                    del self.requests[request.request_id]
+                    self._event("finished", request)
+        return list(deltas.values())
 
-    def _make_output(self, request: Request) -> RequestOutput:
-        outputs = []
-        for seq in request.seqs:
-            finished = seq.finish_reason is not None
-            text = seq.detokenizer.output_text(finished=finished, delta=False) if seq.detokenizer else ""
-            outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        finished = all(seq.finish_reason is not None for seq in request.seqs)
-        if finished:
-            request.finished = True
-            request.metrics.finished_time = time.time()
-            self.requests.pop(request.request_id, None)
-            for seq in request.seqs:
-                self.seq_to_request.pop(seq.seq_id, None)
+    def _event(self, kind: str, request: Request) -> None:
+        if self._emit is None:
+            return
         head = request.seqs[0]
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs, finished=finished, metrics=request.metrics,
-            prompt_logprobs=list(head.prompt_logprobs) if head.prompt_logprobs is not None else None,
-            num_cached_tokens=head.num_cached_tokens)
+        self._emit(RequestEvent(kind=kind, request_id=request.request_id, time=time.time(),
+                                num_prompt_tokens=head.num_prompt_tokens,
+                                num_output_tokens=sum(s.num_output_tokens for s in request.seqs),
+                                finish_reason=head.finish_reason))
 
 
 def _stem(path: str) -> str:
-    import os
     base = os.path.basename(str(path).rstrip("/"))
     return base[:-5] if base.endswith(".gguf") else base
-
-
-def _check_quantization(quantization: Optional[str], platform) -> None:
-    """quantization=None keeps checkpoints as loaded (GGUF blocks dequantized); any other name
-    must be one the platform applies."""
-    if quantization is None:
-        return
-    offered = platform.quantization_methods()
-    if quantization not in offered:
-        raise ValueError(f"quantization {quantization!r} is not supported on the {platform.name} platform; "
-                         f"supported: {offered or 'none'} (or leave it unset: checkpoints are dequantized at load)")

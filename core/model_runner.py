@@ -25,8 +25,8 @@ logger = logging.getLogger("tokenmill.model_runner")
 class ForwardResult:
     logits: Optional[torch.Tensor]           # [num_sampled, vocab] float32: last token of each caught-up sequence
     sampled_seqs: list[Sequence]
-    # seq_id -> (first position of the chunk, logits [chunk_len, vocab]) for prompt_logprobs requests
-    prompt_logits: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # (sequence, first position of the chunk, logits [chunk_len, vocab]) for prompt_logprobs requests
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -137,7 +137,8 @@ class ModelRunner:
             if end == seq.num_tokens:          # caught up: this step yields its next token
                 sample_rows.append(row + n - 1)
                 sampled.append(seq)
-            if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # Choices of one request share the prompt: its logprobs come from the first one.
+            if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 prompt_rows.append((seq, start, row, min(end, seq.num_prompt_tokens - 1) - start))
             row += n
 
@@ -150,8 +151,6 @@ class ModelRunner:
         if sample_rows:
             index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
             logits = self.model.compute_logits(hidden.index_select(0, index)).float()
-        prompt_logits = {}
-        for seq, start, first, count in prompt_rows:
-            if count > 0:
-                prompt_logits[seq.seq_id] = (start, self.model.compute_logits(hidden[first:first + count]).float())
+        prompt_logits = [(seq, start, self.model.compute_logits(hidden[first:first + count]).float())
+                         for seq, start, first, count in prompt_rows if count > 0]
         return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits)

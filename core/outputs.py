@@ -8,7 +8,7 @@ the server streams them as they come.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 # One generated position's logprobs: token id -> logprob, the sampled token always included.
@@ -70,6 +70,19 @@ class RequestOutput:
 
 
 @dataclass
+class EngineStats:
+    """The engine's load and counters, as `LLMEngine.stats()` reports them (and the server's metrics read)."""
+    num_running: int = 0                # requests
+    num_waiting: int = 0                # requests
+    kv_cache_usage: float = 0.0           # 0..1
+    prefix_cache_queries: int = 0       # tokens, cumulative
+    prefix_cache_hits: int = 0          # tokens, cumulative
+    num_preemptions: int = 0            # cumulative
+    prompt_tokens: int = 0              # cumulative computed prompt tokens
+    generation_tokens: int = 0          # cumulative generated tokens
+
+
+@dataclass
 class CompletionDelta:
     """What one sequence (choice `index`) produced in one step."""
     index: int
@@ -102,7 +115,7 @@ class OutputAccumulator:
             outputs=[CompletionOutput(index=i, text="", token_ids=[],
                                       logprobs=[] if want_logprobs else None) for i in range(n)],
             finished=False, metrics=RequestMetrics(arrival_time=0.0),
-            prompt_logprobs=[None] if want_prompt_logprobs else None)
+            prompt_logprobs=[] if want_prompt_logprobs else None)   # the first delta brings the leading None
         self._texts: list[list[str]] = [[] for _ in range(n)]
 
     def add(self, delta: RequestDelta) -> RequestOutput:

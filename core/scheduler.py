@@ -1,4 +1,6 @@
-"""Decides, each step, which sequences run and how many tokens each computes.
+"""Decides, each step, which sequences run and how many tokens each computes, and folds each
+step's results back in (`update_from_output`): the one place tokens are appended, finishing is
+decided (EOS, stop tokens, stop strings, max_tokens, max_model_len) and blocks are freed.
 
 One token budget per step (`max_num_batched_tokens`): running decodes first, then running
 prefill chunks, then new prefills from the waiting queue (chunked when they do not fit).
@@ -8,10 +10,17 @@ freed and it goes back to the waiting queue to be recomputed (its prefix may sti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
+from .outputs import CompletionDelta, LogprobsEntry
+from .sampling.prompt_logprobs import compute_prompt_logprobs
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .model_runner import ForwardResult
+    from .sampling.sampler import SamplerOutput
 
 
 @dataclass
@@ -20,6 +29,7 @@ class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     num_decodes: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    first_scheduled: list[Sequence] = field(default_factory=list)   # admitted for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -29,14 +39,40 @@ class ScheduledBatch:
         return bool(self.entries)
 
 
+@dataclass
+class SequenceUpdate:
+    """What one sequence got from a step: a new token (delta) and/or prompt logprobs."""
+    seq: Sequence
+    delta: Optional[CompletionDelta] = None
+    prompt_logprobs: Optional[list[Optional[LogprobsEntry]]] = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_seqs: int
+    num_waiting_seqs: int
+    running_request_ids: set[str]
+    waiting_request_ids: set[str]
+    kv_cache_usage: float           # 0..1
+    prefix_cache_queries: int       # tokens, cumulative
+    prefix_cache_hits: int          # tokens, cumulative
+    num_preemptions: int            # cumulative
+    prompt_tokens: int              # cumulative computed prompt tokens
+    generation_tokens: int          # cumulative generated tokens
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -54,8 +90,23 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def fits_in_pool(self, num_tokens: int) -> Optional[str]:
+        """None when a sequence of `num_tokens` can ever be held by the pool, else why not."""
+        needed = -(-num_tokens // self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            return (f"the prompt needs {needed} KV blocks but the pool has only "
+                    f"{self.block_manager.num_blocks} (raise kv_cache_memory)")
+        return None
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running_seqs=len(self.running), num_waiting_seqs=len(self.waiting),
+            running_request_ids={s.request_id for s in self.running},
+            waiting_request_ids={s.request_id for s in self.waiting},
+            kv_cache_usage=bm.usage, prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits, num_preemptions=self.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generation_tokens)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
@@ -87,7 +138,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not batch.preempted
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.params.prompt_logprobs is None:
+                # Prompt logprobs need the logits of every prompt position: no cache hits for them.
                 self.block_manager.match_prefix(seq)
             if pending and self._waits_for_pending_prefix(seq, pending):
                 # Its next block is being computed by a running sequence: admitted next step,
@@ -109,6 +161,9 @@ class Scheduler:
                 pending.update(self._uncomputed_prompt_hashes(seq))
             self.block_manager.allocate(seq, num_new)
             seq.status = SequenceStatus.RUNNING
+            if not seq.ever_scheduled:
+                seq.ever_scheduled = True
+                batch.first_scheduled.append(seq)
             self.running.append(seq)
             entries.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
@@ -168,3 +223,62 @@ class Scheduler:
         self.waiting.insert(0, seq)
         if self.config.policy == "priority":
             self.waiting.sort(key=Sequence.sort_key)
+
+    # ------------------------------------------------------------------ after the forward pass
+    def update_from_output(self, batch: ScheduledBatch, result: "ForwardResult",
+                           sampled: Optional["SamplerOutput"]) -> list[SequenceUpdate]:
+        """Fold one step's results in: advance computed tokens, register full blocks in the prefix
+        cache, append each sampled token, detokenize, decide finishing, free finished sequences.
+        Returns one update per sequence that produced something the caller must see."""
+        bm = self.block_manager
+        for seq, n in batch.entries:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+        updates: dict[int, SequenceUpdate] = {}
+        for seq, start, logits in result.prompt_logits:
+            entries = compute_prompt_logprobs(logits, seq.prompt_token_ids, seq.params.prompt_logprobs, start)
+            first_new = seq.num_prompt_logprobs_emitted - (start + (0 if start == 0 else 1))
+            new = entries[max(0, first_new):]     # recomputed after a preemption: emitted already
+            if new:
+                seq.num_prompt_logprobs_emitted += len(new)
+                updates[seq.seq_id] = SequenceUpdate(seq, prompt_logprobs=new)
+        for row, seq in enumerate(result.sampled_seqs):
+            delta = self._append_token(seq, sampled, row)
+            update = updates.get(seq.seq_id)
+            if update is None:
+                updates[seq.seq_id] = SequenceUpdate(seq, delta=delta)
+            else:
+                update.delta = delta
+        return list(updates.values())
+
+    def _append_token(self, seq: Sequence, sampled: "SamplerOutput", row: int) -> CompletionDelta:
+        params = seq.params
+        token = sampled.token_ids[row]
+        seq.token_ids.append(token)
+        self.num_generation_tokens += 1
+        logprobs = None
+        if seq.cumulative_logprob is not None and sampled.top_logprobs[row] is not None:
+            logprobs = [sampled.top_logprobs[row]]
+            seq.cumulative_logprob += sampled.sampled_logprobs[row]
+        stop_str = seq.detokenizer.append([token]) if seq.detokenizer is not None else None
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+        if seq.finish_reason is None and (
+                (params.max_tokens is not None and num_out >= params.max_tokens)
+                or seq.num_tokens >= self.max_model_len):
+            seq.finish_reason = "length"
+        finished = seq.finish_reason is not None
+        if finished:
+            self.finish(seq)
+        text = seq.detokenizer.output_text(finished=finished, delta=True) if seq.detokenizer is not None else ""
+        return CompletionDelta(index=seq.index, token_ids=[token], text=text, logprobs=logprobs,
+                               cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
+                               stop_reason=seq.stop_reason)

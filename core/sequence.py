@@ -37,12 +37,14 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
-        # Filled by the engine.
-        self.generator: Any = None
-        self.detokenizer: Any = None
-        self.logprobs: Optional[list[dict[int, float]]] = None
-        self.cumulative_logprob: Optional[float] = None
-        self.prompt_logprobs: Optional[list] = None
+        self.ever_scheduled = False        # admitted from the waiting queue at least once
+        # Filled by the engine at add_request.
+        self.generator: Any = None         # torch.Generator of a seeded request
+        self.detokenizer: Any = None       # IncrementalDetokenizer (params.detokenize)
+        self.cumulative_logprob: Optional[float] = None   # not None: logprobs were requested
+        # Prompt positions whose logprobs were emitted (the leading None counts): a recompute
+        # after preemption must not emit them twice.
+        self.num_prompt_logprobs_emitted = 0
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

@@ -40,9 +40,9 @@ def _time_engine(llm, workload, repeat: int) -> dict[str, Any]:
     llm.generate([{"prompt_token_ids": [t + 7 for t in p[:64]]} for p in warm],
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     times, cached = [], 0
-    preempt0 = llm.engine.scheduler.num_preemptions
+    preempt0 = llm.engine.stats().num_preemptions
     for _ in range(repeat):
-        llm.engine.block_manager.reset_prefix_cache()
+        llm.reset_prefix_cache()
         gc.collect()            # garbage of earlier runs (and baselines) is not this run's cost
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
@@ -52,7 +52,7 @@ def _time_engine(llm, workload, repeat: int) -> dict[str, Any]:
     elapsed = statistics.median(times)
     return {"seconds": elapsed, "output_tok_s": workload.num_output_tokens / elapsed,
             "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / elapsed,
-            "cached_prompt_tokens": cached, "preemptions": llm.engine.scheduler.num_preemptions - preempt0,
+            "cached_prompt_tokens": cached, "preemptions": llm.engine.stats().num_preemptions - preempt0,
             "runs": times}
 
 

@@ -15,6 +15,8 @@ from typing import Optional
 COMMAND_MODULES = [
     "tokenmill.entrypoints.generate_cmd",
     "tokenmill.entrypoints.platforms_cmd",
+    "tokenmill.entrypoints.plugins_cmd",
+    "tokenmill.entrypoints.check_plugin",
     "tokenmill.entrypoints.openai.serve_cmd",
     "tokenmill.entrypoints.attention_matrix",
 ]

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.engine import LLMEngine, PromptType
-from tokenmill.core.outputs import RequestOutput
+from tokenmill.core.outputs import OutputAccumulator, RequestOutput
 from tokenmill.core.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -23,6 +23,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (benchmarks that must not reuse an earlier run's)."""
+        self.engine.reset_prefix_cache()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -65,11 +69,19 @@ class LLM:
              priority: Optional[list[int]]) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
+        accumulators: dict[str, OutputAccumulator] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 request_id = f"llm-{next(self._ids)}"
-                engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                # Tokenized here once, so the output can report the prompt the engine ran.
+                text, token_ids = engine.tokenize_prompt(prompt)
+                engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params,
+                                   priority=priority[i] if priority else 0)
                 order[request_id] = i
+                params = params or SamplingParams()
+                accumulators[request_id] = OutputAccumulator(
+                    request_id, text, token_ids, params.n, want_logprobs=params.logprobs is not None,
+                    want_prompt_logprobs=params.prompt_logprobs is not None)
         except Exception:
             engine.abort_request(list(order))
             raise
@@ -77,9 +89,14 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished and output.request_id in order:
-                        results[order[output.request_id]] = output
+                for delta in engine.step():
+                    accumulator = accumulators.get(delta.request_id)
+                    if accumulator is None:
+                        continue
+                    output = accumulator.add(delta)
+                    if delta.finished:
+                        results[order[delta.request_id]] = output
+                        del accumulators[delta.request_id]
                         bar.update(1)
         except BaseException:
             engine.abort_request(list(order))
@@ -87,3 +104,4 @@ class LLM:
         finally:
             bar.close()
         return results  # type: ignore[return-value]
+

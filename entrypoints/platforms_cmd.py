@@ -1,4 +1,5 @@
-"""`tokenmill platforms`: every discovered platform, available or not and why, plus general plugins."""
+"""`tokenmill platforms`: every discovered platform, available or not and why (every other kind of
+extension: `tokenmill plugins`)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ def add_subparser(subparsers) -> None:
         "platforms", help="list discovered platforms: available or not (and why), attention backends, "
                           "graph capture, distributed backend",
         description="List every platform found through the tokenmill.platforms entry points (built in or "
-                    "from installed plugins), whether it can run here and why not, and the general plugins.")
+                    "from installed plugins) and whether it can run here, and why not.")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=run)
 
@@ -37,12 +38,12 @@ def collect() -> dict[str, Any]:
     return {
         "platforms": platforms,
         "auto": usable[0].name if usable else None,
-        "plugins": [p.to_dict() for p in discovery.plugin_reports()],
         "attention_backends": {"loaded": sorted(backends), "failed": backend_errors},
     }
 
 
-def _table(rows: list[list[str]]) -> list[str]:
+def table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as aligned text lines (the first row is the header)."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -62,7 +63,7 @@ def render(data: dict[str, Any]) -> str:
                      str(p["priority"] if p["priority"] is not None else "-"), status, attention,
                      ", ".join(p["graph_capture"]) or "-", p["distributed_backend"] or "-"])
         notes.append(f"  {p['name']}: {p['reason']}" if p["reason"] else f"  {p['name']}")
-    lines = _table(rows)
+    lines = table(rows)
     lines.append("")
     lines.append("Why / details:")
     lines.extend(notes)
@@ -71,15 +72,7 @@ def render(data: dict[str, Any]) -> str:
             f"{name}: {err}" for name, err in sorted(data["attention_backends"]["failed"].items())) + ")")
     lines.append("")
     lines.append(f"--device auto -> {data['auto'] or 'nothing available'}")
-    if data["plugins"]:
-        lines.append("")
-        lines.append("General plugins (tokenmill.plugins):")
-        for plugin in data["plugins"]:
-            state = "loaded" if plugin["loaded"] else "failed"
-            hooks = ", ".join(plugin["hooks"]) or "no hooks"
-            lines.append(f"  {plugin['name']} ({plugin['origin']}): {state}; {hooks}")
-            for err in plugin["errors"]:
-                lines.append(f"    error: {err}")
+    lines.append("(every extension of every kind, loaded or refused: tokenmill plugins)")
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -103,34 +103,34 @@ class CpuPlatform(Platform):
         # the KV cache and large GEMMs stay in fp32, which oneDNN runs faster here.
         return torch.float32 if dtype == torch.bfloat16 and not cpu_has_amx() else dtype
 
-    def prepare_model(self, model, config) -> None:
-        """Swap in the CPU kernels the configuration asks for (platforms/cpu_linear.py,
-        platforms/cpu_layer_kernels.py).
-
-        quantization="int4": every Linear through Int4WeightLinear, the LM head through
-        Int8HeadLinear (its GGUF source is usually 8-bit, which 4 bits would visibly change), and
-        the fused native norm/rope/SiLU kernels when they build here. bf16 on a CPU without AMX:
-        bf16 weights with fp32 activations (Bf16WeightLinear)."""
+    def layer_kernels(self, config) -> dict[str, Any]:
+        """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
+        when they build here; they agree with torch only to rounding, so only where exact parity
+        with transformers is not promised. bf16 weights on a CPU without AMX: bf16 weights with fp32
+        activations for every dense matmul (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels
-        from .cpu_layer_kernels import apply_layer_kernels
-        from .cpu_linear import Bf16WeightLinear, Int4WeightLinear, Int8HeadLinear, apply_linear_kernel
+        from .cpu_layer_kernels import native_layer_kernels
+        from .cpu_linear import Bf16WeightLinear
 
         if config.model.quantization == "int4":
-            apply_linear_kernel(model, Int4WeightLinear(), include_lm_head=False)
-            apply_linear_kernel(model, Int8HeadLinear(), include_linears=False)
-            if cpu_kernels.available() is None:
-                # Not bit-identical to the torch ops, so only where parity is not promised.
-                apply_layer_kernels(model)
-            return
-        weights = resolve_dtype(config.model.dtype, torch.float32)
+            return native_layer_kernels() if cpu_kernels.available() is None else {}
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
-                or weights != torch.bfloat16 or self.activation_dtype(weights) != torch.float32
+                or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):
-            return
-        apply_linear_kernel(model, Bf16WeightLinear())
+            return {}
+        kernel = Bf16WeightLinear()
+        return {"linear": kernel, "lm_head": kernel}
 
     def quantization_methods(self) -> list[str]:
         return ["int4"]
+
+    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
+        """int4: the native ends of its int8 GEMMs (platforms/cpu_kernels.py), when they build here."""
+        from . import cpu_kernels
+
+        if name != "int4" or cpu_kernels.available() is not None:
+            return {}
+        return {"quantize_rows_int8": cpu_kernels.quantize_rows_int8, "dequantize_int32": cpu_kernels.dequantize_int32}
 
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name

@@ -1,5 +1,7 @@
 """Native CPU kernels for the small per-layer ops (RMSNorm with its residual add, rotary
-embedding, SiLU-and-multiply), swapped into the core layers by the cpu platform's prepare_model.
+embedding, SiLU-and-multiply), which the cpu platform offers the core by name
+(`CpuPlatform.layer_kernels`: "rms_norm", "rotary", "silu_and_mul") and the core swaps into its
+layers (core/layers/kernels.py).
 
 Why: after the matmuls, a one-token decode step spends its time dispatching ~45 small torch ops
 per layer; each of these replaces 3-8 of them with one call (platforms/csrc/cpu_kernels.cpp).
@@ -18,7 +20,7 @@ from . import cpu_kernels
 
 
 def _lib():
-    return cpu_kernels.load()[0]
+    return cpu_kernels.library()
 
 
 class NativeRMSNorm:
@@ -68,21 +70,7 @@ class NativeSiluAndMul:
         return out
 
 
-def apply_layer_kernels(model: torch.nn.Module) -> int:
-    """Swap the native kernels into every RMSNorm, RotaryEmbedding and SiluAndMul of `model`
-    (once each: the rotary table is shared by all layers); returns how many were swapped."""
-    from tokenmill.core.layers.activation import SiluAndMul
-    from tokenmill.core.layers.norm import RMSNorm
-    from tokenmill.core.layers.rotary import RotaryEmbedding
-
-    reason = cpu_kernels.available()
-    if reason:
-        raise ValueError(f"native CPU kernels cannot run here: {reason}")
-    kinds = ((RMSNorm, NativeRMSNorm()), (RotaryEmbedding, NativeRotary()), (SiluAndMul, NativeSiluAndMul()))
-    count = 0
-    for module in model.modules():      # each module once, however often it is shared
-        for cls, kernel in kinds:
-            if isinstance(module, cls):
-                module.use_kernel(kernel)
-                count += 1
-    return count
+def native_layer_kernels() -> dict[str, Any]:
+    """The kernels by the names the core's layers take them under; the caller checks
+    `cpu_kernels.available()` first."""
+    return {"rms_norm": NativeRMSNorm(), "rotary": NativeRotary(), "silu_and_mul": NativeSiluAndMul()}

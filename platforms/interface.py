@@ -8,8 +8,9 @@ are reported and skipped.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
@@ -43,6 +44,60 @@ class MemoryProfiler:
         raise NotImplementedError
 
 
+# A platform whose memory is the host's RAM shares it with everything else on the machine, so
+# gpu_memory_utilization (a share of a device this engine owns) does not apply: the KV pool then
+# takes what the cpu platform takes, a quarter of what is available, at most 4 GiB.
+HOST_KV_SHARE = 0.25
+HOST_KV_CAP = 4 << 30
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host RAM, from /proc/meminfo (sysconf where it is missing)."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = fields.get("MemTotal") or page * os.sysconf("SC_PHYS_PAGES")
+    return total, fields.get("MemAvailable") or page * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class DefaultMemoryProfiler(MemoryProfiler):
+    """Sizes the KV pool from nothing but the platform's total and free memory.
+
+    kv_cache_memory, when given, is the budget. Otherwise, after the profiling forward pass
+    (weights and peak activations are then resident), the KV cache takes what is free less the
+    share of the device that gpu_memory_utilization leaves to others; on host RAM, see
+    HOST_KV_SHARE.
+    """
+
+    def __init__(self, total_memory: Callable[[], int], free_memory: Callable[[], int],
+                 host_ram: bool = False, name: str = "") -> None:
+        self._total, self._free, self.host_ram, self.name = total_memory, free_memory, host_ram, name
+
+    def budget_bytes(self, config: "EngineConfig", profile_forward: Callable[[], None]) -> int:
+        if config.cache.kv_cache_memory is not None:
+            return int(config.cache.kv_cache_memory)
+        if self.host_ram:
+            return min(HOST_KV_CAP, int(self._free() * HOST_KV_SHARE))
+        profile_forward()
+        headroom = int(self._total() * (1.0 - config.cache.gpu_memory_utilization))
+        return max(0, int(self._free()) - headroom)
+
+    def num_kv_blocks(self, config: "EngineConfig", bytes_per_block: int,
+                      profile_forward: Callable[[], None]) -> int:
+        blocks = blocks_from_budget(self.budget_bytes(config, profile_forward), bytes_per_block)
+        if blocks <= 0:
+            raise ValueError(f"{self.name or 'platform'}: no memory left for the KV cache (free "
+                             f"{self._free() / 2**30:.2f} GiB of {self._total() / 2**30:.2f} GiB); "
+                             f"lower the model size or raise gpu_memory_utilization / kv_cache_memory")
+        return blocks
+
+
 class GraphCapture:
     """How a platform turns the eager forward into something cheaper to launch."""
     name: ClassVar[str] = "none"
@@ -59,6 +114,7 @@ class Platform:
     torch_device: ClassVar[str] = "cpu"
     priority: ClassVar[int] = 0          # auto-detection: highest available wins
     dispatch_key: ClassVar[str] = "cpu"  # which attention backends' `supported_devices` apply
+                                         # ("reference" supports every key)
 
     @classmethod
     def probe(cls) -> Availability:
@@ -70,7 +126,17 @@ class Platform:
         return ["reference"]
 
     def memory_profiler(self) -> MemoryProfiler:
-        raise NotImplementedError
+        """How many KV blocks fit. The default needs only total_memory() and free_memory()."""
+        return DefaultMemoryProfiler(self.total_memory, self.free_memory,
+                                     host_ram=type(self).free_memory is Platform.free_memory, name=self.name)
+
+    def total_memory(self) -> int:
+        """Bytes of memory the device has (default: the host's RAM, for devices that use it)."""
+        return host_memory()[0]
+
+    def free_memory(self) -> int:
+        """Bytes free on the device now (default: the host's available RAM)."""
+        return host_memory()[1]
 
     def graph_capture(self, config: "EngineConfig") -> GraphCapture:
         return GraphCapture()
@@ -94,12 +160,23 @@ class Platform:
         """The dtype activations and the KV cache use when weights are `dtype`."""
         return dtype
 
-    def prepare_model(self, model: Any, config: "EngineConfig") -> None:
-        """After loading: re-lay out weights for this device's fastest kernels (optional)."""
-
     def quantization_methods(self) -> list[str]:
-        """Run-time weight quantizations (`quantization=`) that prepare_model applies (optional)."""
+        """Names of the quantization methods (quantization/, entry-point group
+        `tokenmill.quantization_methods`) this platform runs for `quantization=` (optional).
+        Checkpoint formats (GGUF, dequantized at load) need no entry here."""
         return []
+
+    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
+        """Native kernels for quantization method `name`, under the names the method takes them
+        (its `use_kernels`); empty: it runs its torch path."""
+        return {}
+
+    def layer_kernels(self, config: "EngineConfig") -> dict[str, Any]:
+        """Kernels the core swaps into its layers after loading, by layer kind: "rms_norm",
+        "rotary", "silu_and_mul" (callables that may return NotImplemented to fall back to torch),
+        "linear", "lm_head" (objects with `prepare(weight)` and `__call__(x, prepared, bias)`, for
+        dense weights). See core/layers/kernels.py. Empty: torch everywhere."""
+        return {}
 
     # Device services the core needs without naming a device API.
     def device(self) -> torch.device:

@@ -2,10 +2,13 @@
 
 Weights are dequantized once at load time (numerics of `gguf.quants.dequantize`, the
 reference implementation shipped with llama.cpp's Python package), then run as dense
-tensors in the model's dtype.
+tensors in the model's dtype: GGUFQuantization is a checkpoint-format method whose
+`load_tensor` turns each stored tensor into the dense one a parameter's weight loader copies in,
+whatever linear method (unquantized, int4) then runs the layers.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
@@ -13,7 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _gguf_dequantize
 
-from .interface import QuantizationMethod, register_quantization_method
+from .unquantized import UnquantizedLinearMethod
 
 QType = GGMLQuantizationType
 
@@ -75,15 +78,18 @@ def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...
     return torch.from_numpy(out).reshape(shape)
 
 
-class GGUFQuantization(QuantizationMethod):
-    """GGUF tensors, dequantized to dense weights at load time."""
+@dataclass(frozen=True, eq=False)
+class GGUFTensor:
+    """One tensor as a GGUF file stores it, not yet dequantized."""
+    name: str
+    data: np.ndarray              # the stored bytes (a view into the file's memory map)
+    qtype: int                    # ggml type id
+    shape: tuple[int, ...]        # torch order (outermost first)
+
+
+class GGUFQuantization(UnquantizedLinearMethod):
+    """GGUF tensors, dequantized to dense float32 at load time; layers then run dense."""
     name = "gguf"
 
-    def supported_types(self) -> list[str]:
-        return [t.name for t in SUPPORTED_TYPES]
-
-    def dequantize(self, data, qtype, shape) -> torch.Tensor:
-        return dequantize(data, qtype, tuple(shape))
-
-
-register_quantization_method("gguf", GGUFQuantization)
+    def load_tensor(self, stored: GGUFTensor) -> torch.Tensor:
+        return dequantize(stored.data, stored.qtype, stored.shape, tensor_name=stored.name)

@@ -1,58 +1,68 @@
-"""What a quantization method is, and the registry that finds one by name.
+"""What a quantization method is: how one linear layer's weights are created, loaded,
+post-processed and applied (vLLM's linear-method idea).
 
-A leaf module: it imports nothing else of tokenmill's, so plugins can register methods
-without pulling in the engine.
+A leaf module: it imports nothing else of tokenmill's, so a plugin can implement a method
+without pulling in the engine. Methods are found by name through the entry-point group
+`tokenmill.quantization_methods` (plugins/discovery.py); a platform lists the names it can run
+(`Platform.quantization_methods()`) and may hand a method native kernels
+(`Platform.quantization_kernels(name)` -> `use_kernels`). Bump QUANTIZATION_API_VERSION on any
+incompatible change.
+
+The layer contract (core/layers/linear.py keeps it): a linear layer offers `weight_loader(param,
+loaded, shard_id=None)`, which copies one checkpoint tensor (or the output shard `shard_id` of a
+fused q/k/v or gate/up layer) into the rows of `param` it belongs to; `create_weights` attaches it
+to every parameter that keeps the checkpoint's layout.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
+from torch import nn
+
+QUANTIZATION_API_VERSION = 1
 
 
 class QuantizationMethod:
-    """Turns a checkpoint's stored tensor into a runtime weight.
-
-    Methods that keep weights quantized at run time would also supply a matmul; the
-    methods we ship so far dequantize at load, so `dequantize` is the whole contract.
-    """
+    """One way of storing and multiplying linear-layer weights. One instance serves every
+    linear layer of a model, so per-layer state lives on the layer, not here."""
     name: ClassVar[str] = ""
+    api_version: ClassVar[int] = QUANTIZATION_API_VERSION
 
-    def supported_types(self) -> list[str]:
-        """Names of the storage formats this method can read."""
+    def __init__(self) -> None:
+        self.kernels: dict[str, Callable[..., Any]] = {}
+
+    @classmethod
+    def available(cls) -> Optional[str]:
+        """None when this torch build can run the method, else why not."""
+        return None
+
+    def use_kernels(self, kernels: Mapping[str, Callable[..., Any]]) -> None:
+        """Native kernels the platform hands over (names are the method's own); a method runs
+        its torch path for any it is not given."""
+        self.kernels = dict(kernels)
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int], bias: bool,
+                       dtype: Optional[torch.dtype]) -> None:
+        """Register the layer's parameters (`weight`, and `bias` or None), each with a
+        `weight_loader` attribute."""
         raise NotImplementedError
 
-    def dequantize(self, data: Any, qtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        """Stored `data` of format `qtype` -> a float32 tensor of `shape` (torch order)."""
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once every weight is loaded: re-lay out or quantize them for `apply`."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size] (+ bias)."""
         raise NotImplementedError
 
+    def lm_head_method(self) -> Optional["QuantizationMethod"]:
+        """The method for the LM head, which is often tied to the embedding (so its weight must
+        stay as loaded) and more sensitive to precision than the other layers. The head keeps
+        its own (or the embedding's) dense weight: only process_weights_after_loading and apply
+        are called. None: plain matmul."""
+        return None
 
-_METHODS: dict[str, type[QuantizationMethod]] = {}
-
-
-def register_quantization_method(name: str, cls: type[QuantizationMethod]) -> None:
-    """Make `cls` available under `name`. Re-registering the same class is a no-op."""
-    existing = _METHODS.get(name)
-    if existing is not None and existing is not cls:
-        raise ValueError(f"quantization method {name!r} is already registered as {existing.__qualname__}")
-    _METHODS[name] = cls
-
-
-def get_quantization_method(name: str) -> QuantizationMethod:
-    """A fresh instance of the method registered as `name`; ValueError listing the known ones."""
-    if name not in _METHODS:
-        _import_builtins()
-    if name not in _METHODS:
-        raise ValueError(f"unknown quantization method {name!r}; registered: {sorted(_METHODS)}")
-    return _METHODS[name]()
-
-
-def registered_quantization_methods() -> list[str]:
-    _import_builtins()
-    return sorted(_METHODS)
-
-
-def _import_builtins() -> None:
-    # The builtin methods register themselves on import; importing lazily keeps this
-    # module free of their (heavier) dependencies.
-    from . import gguf  # noqa: F401
+    def load_tensor(self, stored: Any) -> torch.Tensor:
+        """A checkpoint-format method's part: one tensor as the checkpoint stores it -> the dense
+        tensor a parameter's weight loader copies in. The default takes torch tensors as they are."""
+        return stored

@@ -1,15 +1,42 @@
 """Shared test helpers: a single-sequence AttentionMetadata with its KV caches, a decode batch
-over shuffled (optionally shared-prefix) blocks, and tiny
-random-weight HF checkpoints. Import with sys.path insertion of tests/ (tests have no __init__)."""
+over shuffled (optionally shared-prefix) blocks, tiny random-weight HF checkpoints, and
+`load_for_test` (load_model on a platform that changes nothing). Import with sys.path insertion
+of tests/ (tests have no __init__)."""
 from __future__ import annotations
 
-import os
 import random
 from typing import Optional
 
 import torch
 
-from tokenmill.attention_backends.interface import AttentionMetadata
+from tokenmill.attention_backends.interface import AttentionConfig, AttentionMetadata
+from tokenmill.platforms.interface import Platform
+
+
+class ReferencePlatform(Platform):
+    """The CPU with nothing swapped in: activations in the weight dtype, no kernels, no
+    quantization methods; what the token-exact comparisons with transformers run on."""
+    name = "reference-test"
+
+
+def load_for_test(model, dtype: str = "float32", platform=None, backend: Optional[type] = None,
+                  seen: Optional[list] = None, **kwargs):
+    """load_model(config, platform, choose_backend) as the engine calls it, for model-level tests.
+    The backend defaults to the reference one; `seen` collects the AttentionConfigs it was asked for."""
+    from tokenmill.attention_backends.reference import ReferenceAttention
+    from tokenmill.core.config import EngineConfig
+    from tokenmill.core.loaders.loader import load_model
+
+    config = EngineConfig.from_kwargs(model=None if model is None else str(model), dtype=dtype, **kwargs)
+    platform = platform or ReferencePlatform()
+    platform.check_and_update_config(config)
+
+    def choose(attn_config: AttentionConfig) -> type:
+        if seen is not None:
+            seen.append(attn_config)
+        return backend or ReferenceAttention
+
+    return load_model(config, platform, choose)
 
 
 def single_sequence_metadata(num_tokens: int, block_size: int = 16, start_pos: int = 0) -> AttentionMetadata:

@@ -14,7 +14,7 @@ from tokenmill.attention_backends.interface import (AttentionBackendUnavailable,
                                                     build_metadata, check_backend, kv_cache_torch_dtype,
                                                     write_kv)
 from tokenmill.attention_backends.reference import ReferenceAttention
-from tokenmill.entrypoints.attention_matrix import Case, check_cell, make_inputs, run_backend
+from tokenmill.entrypoints.attention_grid import Case, check_cell, make_inputs, run_backend
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -1,37 +1,20 @@
-"""The attention-backend matrix harness: quick grid for every CPU-runnable backend (Triton under
+"""The attention-matrix harness: quick grid for every CPU-runnable backend (Triton under
 its interpreter), the deliberately broken plugin backend reported as failing, CLI behaviour."""
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import sys
 
 import pytest
 
-from tokenmill.entrypoints import attention_matrix as am
+from tokenmill.entrypoints import attention_grid as am
+from tokenmill.entrypoints.attention_matrix import load_backends
 from tokenmill.entrypoints.cli import main as cli_main
-
-PLUGIN_DIR = os.path.join(os.path.dirname(__file__), "plugins", "tokenmill_brokenbackend")
 
 
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _broken_backend_class():
-    """The plugin's backend: through discovery when the plugin is installed, else imported from
-    the source tree and passed programmatically."""
-    backends, _ = am.load_backends()
-    if "broken_lastblock" in backends:
-        return backends["broken_lastblock"], True
-    sys.path.insert(0, PLUGIN_DIR)
-    try:
-        from tokenmill_brokenbackend.backend import DropLastBlockAttention
-    finally:
-        sys.path.remove(PLUGIN_DIR)
-    return DropLastBlockAttention, False
 
 
 def test_quick_grid_covers_every_dimension():
@@ -60,7 +43,8 @@ def test_inputs_mix_prefill_and_decode_with_shuffled_mid_block_contexts():
 
 
 def test_quick_grid_every_cpu_backend_passes():
-    backends, errors = am.load_backends()
+    backends, errors = load_backends()
+    assert not errors                       # every built-in backend loads everywhere
     cpu = {n: c for n, c in backends.items() if n in ("reference", "cpu_sdpa", "triton_paged")}
     if importlib.util.find_spec("triton") is None:
         cpu.pop("triton_paged", None)
@@ -78,18 +62,15 @@ def test_quick_grid_every_cpu_backend_passes():
         assert all("interpreter" in "; ".join(r.reasons) for r in unsup)
 
 
-def test_broken_plugin_backend_is_reported_failing():
-    cls, via_plugin = _broken_backend_class()
+def test_broken_plugin_backend_is_reported_failing(test_plugins):
+    cls = load_backends()[0]["broken_lastblock"]
     cases = [c for c in am.build_grid("quick", "cpu") if c.kv_cache_dtype == "auto"][:2]
     results = am.run_matrix({"broken_lastblock": cls}, cases, device="cpu")
     assert results and all(r.status == "fail" for r in results)
     assert all(r.max_abs_error > 0.05 and "seq" in r.where for r in results)
 
 
-def test_cli_reports_broken_backend_and_exits_nonzero(tmp_path, capsys):
-    cls, via_plugin = _broken_backend_class()
-    if not via_plugin:
-        pytest.skip("plugin not installed: pip install -e tests/plugins/tokenmill_brokenbackend")
+def test_cli_reports_broken_backend_and_exits_nonzero(test_plugins, tmp_path, capsys):
     out = tmp_path / "m.json"
     md = tmp_path / "m.md"
     code = cli_main(["attention-matrix", "--backend", "broken_lastblock", "--json", str(out), "--markdown", str(md)])
@@ -99,6 +80,12 @@ def test_cli_reports_broken_backend_and_exits_nonzero(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert any(r["status"] == "fail" and r["where"] for r in data["results"])
     assert "**FAIL**" in md.read_text()
+
+
+def test_without_the_test_plugins_only_real_backends_are_listed():
+    backends, errors = load_backends()
+    assert not errors and not {"broken_lastblock", "testcpu_paged"} & set(backends)
+    assert {"reference", "cpu_sdpa", "triton_paged"} <= set(backends)
 
 
 def test_cli_one_backend_json_and_markdown(tmp_path, capsys):
@@ -126,15 +113,24 @@ def test_cli_explicit_backend_that_cannot_run_is_an_error(capsys):
     assert "unknown" in capsys.readouterr().err
 
 
-def test_programmatic_backends_join(tmp_path):
+def test_third_party_backend_joins_the_matrix(test_plugins):
+    backends, _ = load_backends()
+    assert backends["testcpu_paged"].__module__ == "tokenmill_testplatform.attention"
+    cases = am.build_grid("quick", "cpu")[:2]
+    results = am.run_matrix({"testcpu_paged": backends["testcpu_paged"]}, cases, device="cpu")
+    assert results and all(r.status in ("pass", "unsupported") for r in results)
+    assert any(r.status == "pass" for r in results)
+
+
+def test_dispatch_key_decides_support():
     from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
-
-    class Renamed(CpuSdpaAttention):
-        name = "renamed_sdpa"
-
-    backends, _ = am.load_backends(extra={"renamed_sdpa": Renamed})
-    assert backends["renamed_sdpa"] is Renamed
-    assert "reference" in backends and "cpu_sdpa" in backends
+    from tokenmill.attention_backends.reference import ReferenceAttention
+    case = am.build_grid("quick", "cpu")[0]
+    inputs = am.make_inputs(case, full=False, seed=0, device="cpu")
+    # Tensors on the CPU, judged for a platform whose key cpu_sdpa does not list; reference runs anywhere.
+    cell = am.check_cell("cpu_sdpa", CpuSdpaAttention, case, inputs, None, "cpu", dispatch_key="myaccel")
+    assert cell.status == "unsupported" and "device 'myaccel' not supported" in cell.reasons[0]
+    assert not ReferenceAttention.validate(am.attention_config(case, "myaccel"))
 
 
 def test_bench_attention_command_runs(tmp_path, capsys):

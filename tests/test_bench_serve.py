@@ -8,17 +8,9 @@ import pytest
 
 from tokenmill.entrypoints.bench_serve import RequestResult, build_prompts, summarize
 from tokenmill.entrypoints.cli import build_parser, main
-from tokenmill.entrypoints.openai.testing import ServerProcess
 
-FAKE = os.environ.get("TOKENMILL_TEST_FAKE_ENGINE") == "1"
-
-
-@pytest.fixture(scope="module")
-def server():
-    args = ["--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8", "--num-threads", "1",
-            "--kv-cache-memory", str(32 * 1024 * 1024), "--api-key", "bench-key", "--disable-access-log"]
-    with ServerProcess(args, fake_engine=FAKE) as srv:
-        yield srv
+SERVER_ARGS = ["--device", "cpu", "--max-model-len", "512", "--max-num-seqs", "8", "--num-threads", "1",
+               "--kv-cache-memory", str(32 * 1024 * 1024), "--api-key", "bench-key", "--disable-access-log"]
 
 
 def test_bench_serve_end_to_end(server, tmp_path, capsys):

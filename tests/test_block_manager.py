@@ -5,13 +5,23 @@ from hypothesis import given, settings, strategies as st
 
 from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.config import SchedulerConfig
+from tokenmill.core.model_runner import ForwardResult
+from tokenmill.core.sampling.sampler import SamplerOutput
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.sequence import Sequence, SequenceStatus
 
 
-def make_seq(tokens, rid="r", arrival=0.0, priority=0):
-    return Sequence(rid, 0, tokens, SamplingParams(max_tokens=1000), arrival, priority)
+def make_seq(tokens, rid="r", arrival=0.0, priority=0, max_tokens=1000):
+    return Sequence(rid, 0, tokens, SamplingParams(max_tokens=max_tokens), arrival, priority)
+
+
+def fake_forward(batch):
+    """What the model runner reports for a batch: every caught-up sequence gets a token (5)."""
+    sampled = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
+    return (ForwardResult(logits=None, sampled_seqs=sampled),
+            SamplerOutput(token_ids=[5] * len(sampled), sampled_logprobs=[None] * len(sampled),
+                          top_logprobs=[None] * len(sampled)))
 
 
 def test_prefix_cache_hit_shares_blocks_and_counts_tokens():
@@ -100,7 +110,7 @@ def _simulate(ops, num_blocks, block_size, budget, policy, prefix):
             prompt = prompt[:max(1, prompt_len)]
             if -(-(len(prompt) + out_len) // block_size) > num_blocks:
                 continue
-            seq = make_seq(prompt, rid, arrival=float(counter), priority=prio)
+            seq = make_seq(prompt, rid, arrival=float(counter), priority=prio, max_tokens=out_len)
             live[rid] = seq
             targets[rid] = out_len
             sched.add(seq)
@@ -117,14 +127,16 @@ def _simulate(ops, num_blocks, block_size, budget, policy, prefix):
                 assert seq.num_computed_tokens + n <= len(seq.block_table) * block_size
             assert batch.num_tokens <= budget
             assert all(n == 1 for _, n in batch.entries[:batch.num_decodes])
-            for seq, n in batch.entries:
-                seq.num_computed_tokens += n
-                bm.cache_full_blocks(seq)
-                if seq.num_computed_tokens == seq.num_tokens:
-                    seq.token_ids.append(5)
-                    if seq.num_output_tokens >= targets[seq.request_id]:
-                        sched.finish(seq)
-                        live.pop(seq.request_id)
+            result, sampled = fake_forward(batch)
+            for update in sched.update_from_output(batch, result, sampled):
+                assert update.delta.token_ids == [5]
+                seq = update.seq
+                if seq.num_output_tokens >= targets[seq.request_id]:
+                    # update_from_output finished it (max_tokens) and gave its blocks back.
+                    assert update.delta.finish_reason == "length" and seq.is_finished and not seq.block_table
+                    live.pop(seq.request_id)
+                else:
+                    assert update.delta.finish_reason is None and not seq.is_finished
         bm.check_invariants(sched.running + sched.waiting)
         assert not (set(map(id, sched.running)) & set(map(id, sched.waiting)))
     for seq in list(live.values()):
@@ -152,4 +164,4 @@ def test_small_pool_forces_preemption_and_everything_finishes():
     ops = [("add", 12, 14, 0, 0) for _ in range(5)] + [("step",)] * 400
     sched = _simulate(ops, num_blocks=8, block_size=4, budget=32, policy="fcfs", prefix=True)
     assert sched.num_preemptions > 0
-    assert not sched.has_unfinished()
+    assert not sched.running and not sched.waiting

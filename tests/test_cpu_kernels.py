@@ -1,4 +1,5 @@
-"""The native CPU kernels (platforms/csrc/cpu_kernels.cpp) against plain torch."""
+"""The native CPU kernels (platforms/csrc/cpu_kernels.cpp; cpu_sdpa's
+attention_backends/csrc/paged_decode.cpp) against plain torch."""
 from __future__ import annotations
 
 import os
@@ -7,13 +8,17 @@ import sys
 import pytest
 import torch
 
+from tokenmill.attention_backends import cpu_paged_decode
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
-from tokenmill.platforms import cpu_kernels, cpu_linear
+from tokenmill.platforms import cpu_kernels
+from tokenmill.platforms.cpu import CpuPlatform
+from tokenmill.quantization import cpu_int4
 
 sys.path.insert(0, os.path.dirname(__file__))
 from model_helpers import decode_batch  # noqa: E402
 
-pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None, reason=str(cpu_kernels.available()))
+pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None or cpu_paged_decode.available() is not None,
+                                reason=str(cpu_kernels.available() or cpu_paged_decode.available()))
 
 
 def _paged(lens, shared_blocks=0, dtype=torch.float32, seed=0):
@@ -26,7 +31,7 @@ def _paged(lens, shared_blocks=0, dtype=torch.float32, seed=0):
 
 def _attend(q, cache, tables, lens, scale, window=None, first=0):
     """Per sequence, per head, in float64: softmax(q k^T) v over positions [start, len)."""
-    bs, kv_heads = cache.shape[2], cache.shape[3]
+    kv_heads = cache.shape[3]
     group = q.shape[1] // kv_heads
     outs, lses = [], []
     for s, n in enumerate(lens):
@@ -46,8 +51,8 @@ def _attend(q, cache, tables, lens, scale, window=None, first=0):
 def test_paged_decode_matches_float64(kv_dtype, tol, window, first, lens):
     cache, tables, meta = _paged(lens, dtype=kv_dtype)
     q = torch.randn(len(lens), 9, 64)
-    out, lse = cpu_kernels.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.125, window,
-                                        first_pos=first, return_lse=True)
+    out, lse = cpu_paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.125, window,
+                                             first_pos=first, return_lse=True)
     ref, ref_lse = _attend(q, cache.float(), tables, lens, 0.125, window, first)
     assert (out.double() - ref).abs().max().item() < tol
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
@@ -69,23 +74,22 @@ def test_cpu_sdpa_decode_native_equals_torch_path(monkeypatch, kv_dtype, shared_
     assert (native - plain).abs().max().item() < 1e-5
 
 
-def test_int8_quantize_and_dequantize_match_torch(monkeypatch):
+def test_int8_quantize_and_dequantize_match_torch():
     torch.manual_seed(0)
     x = torch.randn(64, 576)
     x[:, 17] *= 60                      # outlier channels, as LLM activations have
     x[:, 300] *= 25
     weight = torch.randn(960, 576)
-    int8_weight, channel_scale = cpu_linear.quantize_int8_per_channel(weight)
+    int8_weight, channel_scale = cpu_int4.quantize_int8_per_channel(weight)
     by_channel = weight.t().contiguous().t()
     bias = torch.randn(960)
     q, token_scale, channels, values = cpu_kernels.quantize_rows_int8(x, 16)
     assert {17, 300} <= set(channels.tolist())
     assert torch.equal(values, x[:, channels])
-    native = cpu_linear.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    monkeypatch.setattr(cpu_kernels, "_library", None)
-    monkeypatch.setattr(cpu_kernels, "_failure", None)
-    plain = cpu_linear.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
+    kernels = CpuPlatform().quantization_kernels("int4")     # what the platform hands the int4 method
+    assert set(kernels) == {"quantize_rows_int8", "dequantize_int32"}
+    native = cpu_int4.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias, kernels)
+    plain = cpu_int4.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
     torch.testing.assert_close(native, plain, atol=1e-3, rtol=1e-5)
     exact = x @ weight.t() + bias
     # int8 error stays small next to the output's scale, thanks to the outlier channels.
@@ -127,3 +131,15 @@ def test_layer_kernels_match_the_torch_layers():
         torch.testing.assert_close(act(h), plain)
     # What a kernel does not cover falls back to torch.
     assert NativeSiluAndMul()(torch.randn(2, 8, dtype=torch.bfloat16)) is NotImplemented
+
+
+def test_kernels_off_by_environment(monkeypatch):
+    """TOKENMILL_CPU_KERNELS=0: nothing native is offered, so every layer stays on torch."""
+    from tokenmill.core.config import EngineConfig
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    config = EngineConfig.from_kwargs(quantization="int4", dtype="float32")
+    platform = CpuPlatform()
+    assert platform.layer_kernels(config) == {} and platform.quantization_kernels("int4") == {}
+    assert cpu_kernels.available() and cpu_paged_decode.available()
+    monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
+    assert set(platform.layer_kernels(config)) == {"rms_norm", "rotary", "silu_and_mul"}

@@ -70,7 +70,7 @@ def test_preemption_keeps_greedy_outputs(hf_greedy):
     for out, ref in zip(outs, hf_greedy):
         got = out.outputs[0].token_ids
         assert _strip_after_eos(got, eos) == _strip_after_eos(ref, eos)
-    assert small.engine.block_manager.num_used_blocks == 0
+    assert small.engine.scheduler.block_manager.num_used_blocks == 0
 
 
 def test_prefix_caching_computes_fewer_tokens_and_same_output(llm):

@@ -14,9 +14,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from tokenmill.core.loaders.gguf_file import GGUFFile
-from tokenmill.quantization.gguf import SUPPORTED_TYPES, dequantize
-from tokenmill.quantization.interface import (QuantizationMethod, get_quantization_method,
-                                              register_quantization_method)
+from tokenmill.quantization.gguf import SUPPORTED_TYPES, GGUFQuantization, GGUFTensor, dequantize
+from tokenmill.quantization.interface import QUANTIZATION_API_VERSION, QuantizationMethod
 
 ROWS, COLS = 8, 512        # two 256-value super-blocks per row
 RNG = np.random.default_rng(0)
@@ -206,22 +205,19 @@ def test_wrong_byte_count_is_an_error():
         dequantize(np.zeros(33, dtype=np.uint8), Q.Q8_0, (64,))
 
 
-def test_quantization_registry():
-    gguf_method = get_quantization_method("gguf")
-    assert "Q4_K" in gguf_method.supported_types()
+def test_gguf_method_dequantizes_what_the_loader_hands_it():
+    """GGUF is a checkpoint-format method: its load_tensor is the dequantization, same numerics."""
+    values = RNG.standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf_quantize(values, Q.Q8_0)
+    stored = GGUFTensor("blk.0.attn_q.weight", blocks, int(Q.Q8_0), (4, 64))
+    out = GGUFQuantization().load_tensor(stored)
+    assert torch.equal(out, torch.from_numpy(gguf_dequantize(blocks, Q.Q8_0)))
 
-    class Identity(QuantizationMethod):
-        name = "identity-test"
 
-        def supported_types(self):
-            return ["F32"]
-
-        def dequantize(self, data, qtype, shape):
-            return torch.as_tensor(data, dtype=torch.float32).reshape(shape)
-
-    register_quantization_method("identity-test", Identity)
-    assert isinstance(get_quantization_method("identity-test"), Identity)
-    with pytest.raises(ValueError, match="already registered"):
-        register_quantization_method("gguf", Identity)
-    with pytest.raises(ValueError, match="registered: .*gguf"):
-        get_quantization_method("no-such-method")
+def test_quantization_methods_come_from_the_one_registry():
+    from tokenmill.plugins import discovery
+    from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
+    methods = discovery.quantization_methods()
+    assert methods["gguf"] is GGUFQuantization and methods["int4"] is CpuInt4Quantization
+    for cls in methods.values():
+        assert issubclass(cls, QuantizationMethod) and cls.api_version == QUANTIZATION_API_VERSION

@@ -9,17 +9,15 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import run_prompt  # noqa: E402
+from model_helpers import load_for_test, run_prompt  # noqa: E402
 
-from tokenmill.attention_backends.reference import ReferenceAttention  # noqa: E402
-from tokenmill.core.loaders.loader import load_model, load_tokenizer_and_config  # noqa: E402
 from tokenmill.core.loaders.model_source import resolve_model_source  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def bundle():
     start = time.perf_counter()
-    loaded = load_model(None, None, torch.float32, torch.device("cpu"), ReferenceAttention)
+    loaded = load_for_test(None)
     loaded.load_seconds = time.perf_counter() - start
     return loaded
 
@@ -66,16 +64,11 @@ def test_gguf_tokenizer_matches_transformers(bundle):
             == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
 
-def test_load_tokenizer_and_config_only():
-    tokenizer, config = load_tokenizer_and_config(None)
-    assert tokenizer.chat_template and config.max_position_embeddings == 8192
-
-
 def test_missing_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model_source(str(tmp_path / "nope.gguf"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_model(str(tmp_path / "missing-dir"), None, torch.float32, torch.device("cpu"), ReferenceAttention)
+        load_for_test(tmp_path / "missing-dir")
 
 
 def test_directory_without_config_is_a_clear_error(tmp_path):

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import hf_last_logits, run_prompt, save_tiny_checkpoint, single_sequence_metadata  # noqa: E402
+from model_helpers import (hf_last_logits, load_for_test, run_prompt, save_tiny_checkpoint,  # noqa: E402
+                           single_sequence_metadata)
 
 from tokenmill.attention_backends.reference import ReferenceAttention  # noqa: E402
-from tokenmill.core.loaders.loader import load_model  # noqa: E402
 from tokenmill.core.models.registry import resolve_architecture  # noqa: E402
+from tokenmill.plugins import discovery  # noqa: E402
 
 PROMPT = [5, 17, 256, 999, 3, 42, 42, 7, 100, 512, 64, 1, 0, 880, 23, 19, 301, 77, 640, 12, 9]  # 21 tokens
 
 
-def _load(path):
-    return load_model(str(path), None, dtype=torch.float32, device=torch.device("cpu"),
-                      attn_backend_cls=ReferenceAttention)
+def _load(path, **kwargs):
+    return load_for_test(path, **kwargs)
 
 
 def _assert_matches(bundle, hf_model, prompt=PROMPT):
@@ -43,10 +43,16 @@ def _assert_matches(bundle, hf_model, prompt=PROMPT):
 ])
 def test_matches_transformers(tmp_path, kind, overrides):
     hf_model = save_tiny_checkpoint(kind, str(tmp_path), **overrides)
-    bundle = _load(tmp_path)
+    seen = []
+    bundle = _load(tmp_path, seen=seen)
     assert bundle.architecture == hf_model.config.architectures[0]
     assert bundle.max_model_len == hf_model.config.max_position_embeddings
-    assert [layer for layer in bundle.model.attention_layers] and len(bundle.model.attention_layers) == 2
+    assert bundle.weight_dtype == bundle.dtype == torch.float32 and bundle.quantization is None
+    # The backend was chosen once, from the geometry, before building: every layer holds it.
+    assert len(seen) == 1 and bundle.attention_backend is ReferenceAttention
+    assert (seen[0].num_heads, seen[0].num_kv_heads, seen[0].sliding_window) == (4, 2, overrides.get("sliding_window"))
+    assert len(bundle.model.attention_layers) == 2
+    assert all(isinstance(layer.impl, ReferenceAttention) for layer in bundle.model.attention_layers)
     _assert_matches(bundle, hf_model)
     if overrides.get("tie_word_embeddings"):
         assert bundle.model.lm_head.weight is bundle.model.model.embed_tokens.weight
@@ -89,15 +95,15 @@ def test_generation_config_and_eos(tmp_path):
 
 def test_bfloat16_runs(tmp_path):
     save_tiny_checkpoint("qwen3", str(tmp_path))
-    bundle = load_model(str(tmp_path), None, torch.bfloat16, torch.device("cpu"), ReferenceAttention)
-    assert next(bundle.model.parameters()).dtype == torch.bfloat16
+    bundle = _load(tmp_path, dtype="bfloat16")
+    assert next(bundle.model.parameters()).dtype == torch.bfloat16 == bundle.dtype
     logits = run_prompt(bundle.model, PROMPT)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
 def test_unknown_architecture_lists_registered():
     with pytest.raises(ValueError) as info:
-        resolve_architecture(["GPTNeoXForCausalLM"])
+        resolve_architecture(["GPTNeoXForCausalLM"], discovery.model_architectures())
     message = str(info.value)
     assert "GPTNeoXForCausalLM" in message
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -120,8 +126,9 @@ def test_extra_architecture_is_used(tmp_path):
     class PluginLlama(LlamaForCausalLM):
         pass
 
-    assert resolve_architecture(["LlamaForCausalLM"], {"LlamaForCausalLM": PluginLlama}) is PluginLlama
-    assert resolve_architecture(["Mine"], {"Mine": PluginLlama}) is PluginLlama
+    registered = {**discovery.model_architectures(), "Mine": PluginLlama}
+    assert resolve_architecture(["Other", "Mine"], registered) == ("Mine", PluginLlama)
+    assert resolve_architecture(["LlamaForCausalLM"], registered) == ("LlamaForCausalLM", LlamaForCausalLM)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -143,31 +150,54 @@ def test_rms_norm_is_bitwise_hf(dtype):
     ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("llama3", {}), ("qwen2", {}), ("qwen3", {}),
 ])
 def test_gguf_checkpoint_matches_transformers(tmp_path, kind, overrides):
-    """A tiny model written as llama.cpp would (permuted Q/K for llama) loads back to the HF network."""
+    """A tiny model written as llama.cpp would (permuted Q/K for llama) loads back, through the
+    same generic loader as HF directories, to the HF network."""
     from model_helpers import write_tiny_gguf
-    from tokenmill.core.loaders import gguf_loader
-    from tokenmill.core.loaders.gguf_file import GGUFFile
     hf_model = save_tiny_checkpoint(kind, str(tmp_path / "hf"), **overrides)
-    path = str(tmp_path / "tiny.gguf")
-    write_tiny_gguf(hf_model, path, "llama" if kind == "llama3" else kind)
-    gguf = GGUFFile(path)
-    config = gguf_loader.gguf_config(gguf)
-    assert config.architectures == [hf_model.config.architectures[0]]
-    assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
-    model_cls = resolve_architecture(config.architectures)
-    model = model_cls(config, ReferenceAttention, torch.float32)
-    model.load_weights(gguf_loader.iterate_gguf_weights(gguf, config))
-    ours = run_prompt(model.eval(), PROMPT)
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(hf_model, str(path), "llama" if kind == "llama3" else kind)
+    bundle = _load(path, tokenizer=str(tmp_path / "hf"))
+    assert bundle.source.kind == "gguf" and bundle.architecture == hf_model.config.architectures[0]
+    assert bundle.hf_config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    ours = run_prompt(bundle.model, PROMPT)
     torch.testing.assert_close(ours, hf_last_logits(hf_model, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def _tiny_llama(tmp_path):
+    from tokenmill.core.models.llama import LlamaForCausalLM
+    hf_model = save_tiny_checkpoint("llama", str(tmp_path))
+    return hf_model, LlamaForCausalLM(hf_model.config, ReferenceAttention, torch.float32)
+
+
+def test_load_weights_reports_missing_and_unexpected(tmp_path):
+    from tokenmill.core.loaders.weights import load_weights
+    hf_model, model = _tiny_llama(tmp_path)
+    state = {k: v for k, v in hf_model.state_dict().items() if k != "model.layers.1.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.1\.self_attn\.qkv_proj\.weight\[1\]$"):
+        load_weights(model, state.items())
+    with pytest.raises(ValueError, match="'model.extra.weight' has no place"):
+        load_weights(model, [*hf_model.state_dict().items(), ("model.extra.weight", torch.zeros(1))])
+    wrong = dict(hf_model.state_dict(), **{"model.norm.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="'model.norm.weight'.*shape mismatch"):
+        load_weights(model, wrong.items())
+
+
+def test_every_parameter_has_a_weight_loader(tmp_path):
+    _, model = _tiny_llama(tmp_path)
+    assert all(callable(getattr(p, "weight_loader", None)) for p in model.parameters())
 
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_packed_linear_kernel_is_bitwise_in_bf16(tmp_path, tie):
-    from tokenmill.platforms.cpu_linear import MkldnnPackedLinear, apply_linear_kernel
+    from tokenmill.core.layers.kernels import apply_layer_kernels
+    from tokenmill.platforms.cpu_linear import MkldnnPackedLinear
     if MkldnnPackedLinear.available():
         pytest.skip(MkldnnPackedLinear.available())
     save_tiny_checkpoint("llama", str(tmp_path), tie_word_embeddings=tie)
-    model = load_model(str(tmp_path), None, torch.bfloat16, torch.device("cpu"), ReferenceAttention).model
+    model = _load(tmp_path, dtype="bfloat16").model
     plain = run_prompt(model, PROMPT)
-    assert apply_linear_kernel(model, MkldnnPackedLinear()) == 2 * 4 + 1
+    kernel = MkldnnPackedLinear()
+    assert apply_layer_kernels(model, {"linear": kernel, "lm_head": kernel}) == 2 * 4 + 1
     assert torch.equal(run_prompt(model, PROMPT), plain)
+    with pytest.raises(ValueError, match="unknown layer kinds"):
+        apply_layer_kernels(model, {"lienar": kernel})

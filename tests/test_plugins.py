@@ -1,22 +1,21 @@
-"""Discovery: platforms through stevedore entry points (built-in and third-party alike), general
-plugins through pluggy hooks, attention-backend registry and selection, `tokenmill platforms`,
-and the third-party test package (tests/plugins/tokenmill_testplatform) end to end."""
+"""Discovery: every extension point through its entry-point group (built-ins exactly like
+third-party ones), API versions checked, refusals reported and never fatal, backend selection,
+`tokenmill platforms` / `tokenmill plugins`, and the third-party test package end to end."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
 import logging
 
 import pytest
 import torch
 
-from tokenmill.attention_backends.interface import AttentionBackend, AttentionConfig, AttentionMetadata
+from tokenmill.attention_backends.interface import AttentionBackend, AttentionConfig
 from tokenmill.platforms.interface import Availability, Platform
-from tokenmill.plugins import discovery
-from tokenmill.plugins.hookspecs import hookimpl
+from tokenmill.plugins import discovery, registry
+from tokenmill.plugins.kinds import KINDS
 
-BUILTINS = {
+BUILTIN_PLATFORMS = {
     "cpu": "tokenmill.platforms.cpu:CpuPlatform",
     "cuda": "tokenmill.platforms.cuda:CudaPlatform",
     "rocm": "tokenmill.platforms.rocm:RocmPlatform",
@@ -24,19 +23,6 @@ BUILTINS = {
     "tpu": "tokenmill.platforms.tpu:TpuPlatform",
     "neuron": "tokenmill.platforms.neuron:NeuronPlatform",
 }
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-HAS_TEST_PLUGIN = _installed("tokenmill-testplatform")
-needs_test_plugin = pytest.mark.skipif(
-    not HAS_TEST_PLUGIN, reason="pip install -e tests/plugins/tokenmill_testplatform (the Makefile does)")
 ACCELERATOR_HERE = any(discovery.platform_class(n).probe().available for n in ("cuda", "rocm", "xpu", "tpu", "neuron"))
 
 
@@ -53,25 +39,23 @@ def by_name() -> dict[str, discovery.PlatformReport]:
 
 # ---------------------------------------------------------------------------- built-ins
 
-def test_builtins_come_through_the_entry_point_group():
+def test_builtins_come_through_their_entry_point_groups():
     reports = by_name()
-    for name, target in BUILTINS.items():
+    for name, target in BUILTIN_PLATFORMS.items():
         r = reports[name]
         assert r.origin == "built-in" and r.entry_point == target
         assert r.api_version == 1 and r.load_error is None
         assert r.description["attention_backends"] and r.description["distributed_backend"]
-    # Exactly the entry points tokenmill's own distribution declares.
-    declared = {ep.name: ep.value for ep in importlib.metadata.distribution("tokenmill").entry_points
-                if ep.group == "tokenmill.platforms"}
-    assert declared == BUILTINS
-
-
-@pytest.mark.skipif(ACCELERATOR_HERE, reason="an accelerator platform is available here")
-def test_this_machine_cpu_only():
-    reports = by_name()
-    assert reports["cpu"].available
-    for name in ("cuda", "rocm", "xpu", "tpu", "neuron"):
-        assert not reports[name].available and reports[name].reason, name
+    declared = {(ep.group, ep.name) for ep in importlib.metadata.distribution("tokenmill").entry_points}
+    assert {("tokenmill.platforms", n) for n in BUILTIN_PLATFORMS} <= declared
+    assert {"reference", "cpu_sdpa", "triton_paged", "flash_attn", "flashinfer", "ipex", "pallas"} == {
+        n for g, n in declared if g == "tokenmill.attention_backends"}
+    for kind in ("platform", "attention_backend", "model_architecture"):
+        assert all(r.loaded and r.package == "tokenmill" for r in registry.reports(kind)), kind
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
+        discovery.model_architectures())
+    assert "gguf" in discovery.quantization_methods()
+    assert discovery.tool_parsers() == {} and discovery.reasoning_parsers() == {} and discovery.grammar_backends() == {}
 
 
 @pytest.mark.skipif(ACCELERATOR_HERE, reason="an accelerator platform is available here")
@@ -83,8 +67,6 @@ def test_auto_picks_cpu_and_says_why_not_the_others(caplog):
     assert f"cuda (unavailable: {by_name()['cuda'].reason})" in message
     for name in ("rocm", "xpu", "tpu", "neuron"):
         assert f"{name} (unavailable:" in message
-    if HAS_TEST_PLUGIN:
-        assert "testcpu (lower priority -10 than cpu's 0)" in message
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
@@ -94,12 +76,9 @@ def test_explicit_unavailable_device_is_a_specific_error():
     assert str(info.value) == f"device 'cuda' is not available: torch {torch.__version__} was built without CUDA"
 
 
-def test_unknown_device_lists_known():
+def test_unknown_device_lists_known_and_explicit_cpu_wins():
     with pytest.raises(ValueError, match=r"unknown device 'warp9'; discovered platforms: .*cpu.*cuda"):
         discovery.resolve_platform("warp9")
-
-
-def test_explicit_cpu_overrides_detection():
     assert discovery.resolve_platform("cpu").name == "cpu"
 
 
@@ -130,8 +109,22 @@ class ImpostorCpu(Platform):
         return Availability.yes()
 
 
-def fake_extensions(monkeypatch, group: str, loaded: list, failures: list = ()):
-    real = discovery._extensions
+class FutureBackend(AttentionBackend):
+    name = "future"
+    api_version = 7
+
+
+class PluginBackend(AttentionBackend):
+    name = "plugin_a"
+
+
+class UnversionedParser:
+    pass
+
+
+def fake_entry_points(monkeypatch, group: str, loaded: list, failures: list = ()):
+    """Add fake entry points to one group (calls chain: each wraps the previous one)."""
+    real = registry._extensions
 
     def patched(g):
         got, failed = real(g)
@@ -140,23 +133,24 @@ def fake_extensions(monkeypatch, group: str, loaded: list, failures: list = ()):
             fails = [(importlib.metadata.EntryPoint(n, v, g), exc) for n, v, exc in failures]
             return got + eps, failed + fails
         return got, failed
-    monkeypatch.setattr(discovery, "_extensions", patched)
+    monkeypatch.setattr(registry, "_extensions", patched)
 
 
-def test_faulty_platform_plugins_are_reported_and_skipped(monkeypatch):
-    fake_extensions(monkeypatch, "tokenmill.platforms", [
+def test_faulty_platforms_are_refused_and_reported(monkeypatch):
+    fake_entry_points(monkeypatch, "tokenmill.platforms", [
         ("fancy", "fake:HighPriorityPlatform", HighPriorityPlatform),
         ("raiser", "fake:RaisingProbePlatform", RaisingProbePlatform),
         ("notaplatform", "fake:thing", object()),
         ("cpu", "fake:ImpostorCpu", ImpostorCpu),
     ], [("gone", "fake_missing:Platform", ModuleNotFoundError("No module named 'fake_missing'"))])
-    reports = discovery.discover_platforms()
-    r = {x.name: x for x in reports if x.entry_point.startswith("fake")}
+    r = {x.name: x for x in discovery.discover_platforms() if x.entry_point.startswith("fake")}
     assert r["raiser"].load_error is None and not r["raiser"].available
     assert r["raiser"].reason == "probe raised RuntimeError: vendor SDK crashed"
-    assert "is not a tokenmill Platform subclass" in r["notaplatform"].load_error
-    assert r["cpu"].load_error == "platform name 'cpu' is already provided by built-in"
-    assert r["gone"].load_error == "failed to import fake_missing:Platform: ModuleNotFoundError: No module named 'fake_missing'"
+    assert "not a tokenmill.platforms.interface.Platform subclass" in r["notaplatform"].load_error
+    assert r["cpu"].load_error == "name clash: platform 'cpu' is already provided by tokenmill"
+    assert r["gone"].load_error == ("failed to import fake_missing:Platform: ModuleNotFoundError: "
+                                    "No module named 'fake_missing'")
+    assert all(x.origin == registry.UNKNOWN_PACKAGE for x in r.values())
     # The others still work; the impostor did not replace the built-in cpu; auto picks the top priority.
     assert type(discovery.resolve_platform("cpu")).__module__ == "tokenmill.platforms.cpu"
     assert discovery.resolve_platform("auto").name == "fancy"
@@ -164,58 +158,41 @@ def test_faulty_platform_plugins_are_reported_and_skipped(monkeypatch):
         discovery.resolve_platform("gone")
 
 
-class BackendA(AttentionBackend):
-    name = "plugin_a"
-
-
-def test_faulty_general_plugins_are_reported_and_skipped(monkeypatch):
-    class Good:
-        @hookimpl
-        def tokenmill_attention_backends(self):
-            return {"plugin_a": BackendA, "notabackend": int, "reference": BackendA, "lazy": "tests_nowhere:X"}
-
-        @hookimpl
-        def tokenmill_quantization_methods(self):
-            return {"q4_plugin": "json:dumps"}
-
-    class Bad:
-        @hookimpl
-        def tokenmill_model_architectures(self):
-            raise RuntimeError("broken plugin")
-
-    class NotAHookspec:
-        @hookimpl
-        def tokenmill_no_such_hook(self):
-            return {}
-
-    fake_extensions(monkeypatch, "tokenmill.plugins", [
-        ("good", "fake:Good", Good), ("bad", "fake:Bad", Bad), ("unknown_hook", "fake:NotAHookspec", NotAHookspec),
-    ], [("missing", "fake_gone", ImportError("cannot import fake_gone"))])
+def test_every_kind_checks_type_and_api_version(monkeypatch):
+    fake_entry_points(monkeypatch, "tokenmill.attention_backends", [
+        ("plugin_a", "fake:PluginBackend", PluginBackend), ("future", "fake:FutureBackend", FutureBackend),
+        ("notabackend", "fake:int", int), ("reference", "fake:PluginBackend", PluginBackend)])
+    fake_entry_points(monkeypatch, "tokenmill.tool_parsers", [("bare", "fake:UnversionedParser", UnversionedParser)])
     backends = discovery.attention_backend_classes()
-    assert backends["plugin_a"] is BackendA
+    assert backends["plugin_a"] is PluginBackend
     assert backends["reference"].__module__ == "tokenmill.attention_backends.reference"   # built-in wins
-    assert "notabackend" not in backends and "lazy" not in backends
-    assert discovery.quantization_methods()["q4_plugin"] is json.dumps
-    archs = discovery.extra_model_architectures()          # the raising plugin contributes nothing
-    assert not any(getattr(c, "__module__", "") == __name__ for c in archs.values())
-    reports = {p.name: p for p in discovery.plugin_reports()}
-    assert reports["good"].loaded and "tokenmill_attention_backends" in reports["good"].hooks
-    good_errors = " | ".join(reports["good"].errors)
-    assert "'notabackend'" in good_errors and "clashes with the built-in" in good_errors and "tests_nowhere" in good_errors
-    assert reports["bad"].errors == ["tokenmill_model_architectures raised RuntimeError: broken plugin"]
-    assert not reports["unknown_hook"].loaded and "failed to register" in reports["unknown_hook"].errors[0]
-    assert not reports["missing"].loaded and "cannot import fake_gone" in reports["missing"].errors[0]
+    errors = discovery.attention_backend_errors()
+    assert errors["future"] == "built for attention_backend API version 7; this tokenmill speaks version 1"
+    assert "not a tokenmill.attention_backends.interface.AttentionBackend subclass" in errors["notabackend"]
+    assert errors["reference"] == "name clash: attention_backend 'reference' is already provided by tokenmill"
+    parser = next(r for r in registry.reports("tool_parser") if r.name == "bare")
+    assert parser.state == "refused" and "not a tokenmill.plugins.parsers.ToolParser subclass" in parser.reason
 
 
-def test_backend_registry_tolerates_missing_modules(monkeypatch):
-    monkeypatch.setitem(discovery.BUILTIN_ATTENTION_BACKENDS, "future_kernel", "tokenmill.attention_backends.nope:X")
-    monkeypatch.setitem(discovery.BUILTIN_ATTENTION_BACKENDS, "reference_by_module",
-                        "tokenmill.attention_backends.reference")
-    backends, errors = discovery.attention_backend_classes(), discovery.attention_backend_errors()
-    assert "reference" in backends and "future_kernel" not in backends
-    assert "No module named 'tokenmill.attention_backends.nope'" in errors["future_kernel"]
-    assert "defines no AttentionBackend named 'reference_by_module'" in errors["reference_by_module"]
+def test_model_architectures_default_to_api_version_1():
+    kind = KINDS["model_architecture"]
+    assert kind.check(torch.nn.Linear) == (1, None)
 
+    class Future(torch.nn.Module):
+        api_version = 2
+    assert "API version 2" in kind.check(Future)[1]
+    assert KINDS["tool_parser"].check(type("P", (), {}))[1].startswith("not a")
+
+
+def test_retired_group_is_reported(monkeypatch):
+    ep = importlib.metadata.EntryPoint("oldplugin", "old_pkg.hooks", "tokenmill.plugins")
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [ep] if group == "tokenmill.plugins" else [])
+    (report,) = registry.retired_reports()
+    assert report.state == "refused" and "tokenmill.hooks" in report.reason
+
+
+# ------------------------------------------------------------------------- backend selection
 
 def _attn_config(**kw):
     base = dict(head_size=64, num_heads=4, num_kv_heads=2, dtype=torch.float32, device="cpu")
@@ -225,7 +202,7 @@ def _attn_config(**kw):
 
 def test_select_attention_backend():
     cpu = discovery.resolve_platform("cpu")
-    assert discovery.select_attention_backend(cpu, _attn_config()).name in ("cpu_sdpa", "reference")
+    assert discovery.select_attention_backend(cpu, _attn_config()).name == "cpu_sdpa"
     assert discovery.select_attention_backend(cpu, _attn_config(), "reference").name == "reference"
     with pytest.raises(ValueError, match="unknown attention backend 'warp'"):
         discovery.select_attention_backend(cpu, _attn_config(), "warp")
@@ -233,22 +210,24 @@ def test_select_attention_backend():
         discovery.select_attention_backend(cpu, _attn_config(graph_capture="cuda_graphs"), "reference")
 
 
-def test_select_falls_back_to_eager_when_no_backend_can_be_captured(caplog):
-    class OnlyReference(Platform):
-        name = "onlyref"
+def test_select_falls_back_to_eager_and_reference_runs_on_any_device(caplog):
+    class NewDevice(Platform):
+        name = "newdev"
+        dispatch_key = "newdev"
 
         def attention_backends(self):
-            return ["not_here", "reference"]
+            return ["not_here", "cpu_sdpa", "reference"]
 
-    with caplog.at_level(logging.WARNING, logger="tokenmill.plugins"):
-        cls = discovery.select_attention_backend(OnlyReference(), _attn_config(graph_capture="cuda_graphs"))
+    with caplog.at_level(logging.INFO, logger="tokenmill.attention_backends"):
+        cls = discovery.select_attention_backend(NewDevice(), _attn_config(graph_capture="cuda_graphs",
+                                                                            device="newdev"))
     assert cls.name == "reference" and "without graph capture" in caplog.text
+    assert "not_here: not installed" in caplog.text and "device 'newdev' not supported" in caplog.text
 
 
 # ------------------------------------------------------------------- the third-party package
 
-@needs_test_plugin
-def test_third_party_platform_and_broken_ones():
+def test_third_party_package_every_kind(test_plugins):
     reports = by_name()
     test = reports["testcpu"]
     assert test.origin == "tokenmill-testplatform" and test.available and test.load_error is None
@@ -256,73 +235,38 @@ def test_third_party_platform_and_broken_ones():
     old = reports["testcpu_oldapi"]
     assert old.api_version == 999 and not old.available
     assert old.load_error == "built for platform API version 999; this tokenmill speaks version 1"
-    broken = reports["testcpu_broken"]
-    assert broken.origin == "tokenmill-testplatform" and not broken.available
-    assert "No module named 'tokenmill_testplatform_vendor_sdk'" in broken.load_error
+    assert "No module named 'tokenmill_testplatform_vendor_sdk'" in reports["testcpu_broken"].load_error
     with pytest.raises(ValueError, match="API version 999"):
         discovery.resolve_platform("testcpu_oldapi")
     platform = discovery.resolve_platform("testcpu")
     assert platform.name == "testcpu" and platform.device() == torch.device("cpu")
-
-
-@needs_test_plugin
-def test_third_party_backend_and_architecture_through_pluggy():
     backends = discovery.attention_backend_classes()
-    assert backends["testcpu_paged"].__module__ == "tokenmill_testplatform.attention"
-    chosen = discovery.select_attention_backend(discovery.resolve_platform("testcpu"), _attn_config())
-    assert chosen is backends["testcpu_paged"]
-    reports = {p.name: p for p in discovery.plugin_reports()}
-    assert reports["testplatform"].loaded and reports["testplatform"].origin == "tokenmill-testplatform"
-    assert {"tokenmill_attention_backends", "tokenmill_model_architectures"} <= set(reports["testplatform"].hooks)
-    if importlib.util.find_spec("tokenmill.core.models.llama") is None:
-        pytest.skip("tokenmill.core.models.llama not written yet")
+    assert discovery.select_attention_backend(platform, _attn_config()) is backends["testcpu_paged"]
     from tokenmill.core.models.llama import LlamaForCausalLM
-    archs = discovery.extra_model_architectures()
-    assert issubclass(archs["TestLlamaForCausalLM"], LlamaForCausalLM)
-    assert reports["testplatform"].errors == []
+    assert issubclass(discovery.model_architectures()["TestLlamaForCausalLM"], LlamaForCausalLM)
+    builtin = {r.name for r in discovery.extension_reports() if r.kind == "model_architecture" and r.builtin}
+    assert set(discovery.model_architectures()) - builtin == {"TestLlamaForCausalLM"}
+    tools = discovery.tool_parsers()["test_json_tools"](tokenizer=None)
+    got = tools.extract_tool_calls('hi <tool>{"name": "f", "arguments": {"x": 1}}</tool>')
+    assert got.content == "hi" and got.tool_calls[0].name == "f" and json.loads(got.tool_calls[0].arguments) == {"x": 1}
+    think = discovery.reasoning_parsers()["test_think"](tokenizer=None)
+    assert think.extract_reasoning("<think>hmm</think> yes") == ("hmm", "yes")
+    assert discovery.grammar_backends()["test_regex"](None).compile("regex", "a+").fullmatch("aaa")
+    kinds = {(r.kind, r.name): r for r in discovery.extension_reports()}
+    for kind in ("platform", "attention_backend", "model_architecture", "tool_parser", "reasoning_parser",
+                 "grammar_backend", "hook"):
+        assert any(k == kind and r.package == "tokenmill-testplatform" and r.loaded for (k, _), r in kinds.items()), kind
+    assert kinds[("hook", "testplatform_events")].detail == "hooks: tokenmill_request_event"
 
 
-def _random_batch(seed=0, block_size=4, num_blocks=32, hkv=2, group=2, d=16):
-    """Mixed batch: 2 decodes then 2 prefill chunks, with shuffled block tables."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [(9, 1), (5, 1), (7, 7), (12, 5)]     # (seq_len after step, query len)
-    perm = torch.randperm(num_blocks - 1, generator=g) + 1
-    tables, slots, qsl, used = [], [], [0], 0
-    for seq_len, q in seqs:
-        nb = -(-seq_len // block_size)
-        table = perm[used:used + nb].tolist()
-        used += nb
-        tables.append(table + [0] * (4 - nb))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(seq_len - q, seq_len)]
-        qsl.append(qsl[-1] + q)
-    t = qsl[-1]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.tensor(slots),
-        num_decodes=2, max_query_len=7, max_seq_len=12, block_size=block_size, query_start_loc_cpu=qsl,
-        seq_lens_cpu=[s for s, _ in seqs])
-    q = torch.randn(t, hkv * group, d, generator=g)
-    k = torch.randn(t, hkv, d, generator=g)
-    v = torch.randn(t, hkv, d, generator=g)
-    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g)
-    return q, k, v, cache, meta
+@pytest.mark.skipif(ACCELERATOR_HERE, reason="an accelerator platform is available here")
+def test_auto_passes_over_the_third_party_platform(test_plugins, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenmill.plugins"):
+        assert discovery.resolve_platform("auto").name == "cpu"
+    assert "testcpu (lower priority -10 than cpu's 0)" in caplog.text
 
 
-@needs_test_plugin
-@pytest.mark.parametrize("window", [None, 3])
-def test_third_party_attention_matches_reference(window):
-    from tokenmill.attention_backends.reference import ReferenceAttention
-    from tokenmill_testplatform.attention import TestPagedAttention
-    q, k, v, cache, meta = _random_batch()
-    kwargs = dict(num_heads=4, head_size=16, scale=0.25, num_kv_heads=2, sliding_window=window)
-    cache_ref = cache.clone()
-    got = TestPagedAttention(**kwargs).forward(q, k, v, cache, meta)
-    want = ReferenceAttention(**kwargs).forward(q, k, v, cache_ref, meta)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cache, cache_ref)
-
-
-# ------------------------------------------------------------------------- tokenmill platforms
+# ------------------------------------------------------------ tokenmill platforms / plugins
 
 def test_platforms_command_table(capsys):
     from tokenmill.entrypoints.cli import main
@@ -330,41 +274,50 @@ def test_platforms_command_table(capsys):
     out = capsys.readouterr().out
     for name, report in by_name().items():
         assert name in out and report.reason in out
-    assert "--device auto -> " in out
-    if HAS_TEST_PLUGIN:
-        assert "tokenmill-testplatform" in out and "testcpu_paged" in out and "skipped" in out
+    assert "--device auto -> " in out and "testcpu" not in out
 
 
-def test_platforms_command_json(capsys):
+def test_platforms_command_json(test_plugins, capsys):
     from tokenmill.entrypoints.cli import main
     assert main(["platforms", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     names = {p["name"]: p for p in data["platforms"]}
-    assert set(BUILTINS) <= set(names)
+    assert set(BUILTIN_PLATFORMS) | {"testcpu", "testcpu_oldapi"} <= set(names)
     cuda = names["cuda"]
     assert cuda["origin"] == "built-in" and cuda["api_version"] == 1
     assert [b["name"] for b in cuda["attention_backends"]] == ["flash_attn", "flashinfer", "triton_paged", "reference"]
     assert cuda["graph_capture"][0] == "cuda_graphs" and cuda["distributed_backend"] == "nccl"
-    assert data["auto"] == discovery.resolve_platform("auto").name
+    assert names["testcpu_oldapi"]["load_error"] and data["auto"] == discovery.resolve_platform("auto").name
 
 
-# ------------------------------------------------------------------ end to end (lead's engine)
+def test_plugins_command_lists_only_real_extensions_here(capsys):
+    from tokenmill.entrypoints.cli import main
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "refused" not in out.replace("0 refused", "") and "testcpu" not in out and "broken" not in out
+    for word in ("platform", "attention_backend", "quantization_method", "model_architecture", "hook"):
+        assert word in out
 
-def _llm_importable() -> bool:
-    try:
-        import tokenmill.entrypoints.llm  # noqa: F401
-        return True
-    except Exception:
-        return False
+
+def test_plugins_command_json_with_test_plugins(test_plugins, capsys):
+    from tokenmill.entrypoints.cli import main
+    assert main(["plugins", "--json"]) == 0
+    rows = {(r["kind"], r["name"]): r for r in json.loads(capsys.readouterr().out)}
+    assert rows[("platform", "testcpu")]["package"] == "tokenmill-testplatform"
+    assert rows[("platform", "testcpu")]["package_version"] == "0.1.0"
+    assert rows[("platform", "cpu")]["detail"].startswith("available")
+    assert rows[("platform", "testcpu_oldapi")]["state"] == "refused"
+    assert rows[("attention_backend", "broken_lastblock")]["state"] == "loaded"   # loads; it is wrong, not broken
+    assert {"name", "kind", "package", "package_version", "api_version", "state", "reason"} <= set(
+        rows[("tool_parser", "test_json_tools")])
 
 
-needs_engine = pytest.mark.skipif(not _llm_importable(), reason="tokenmill.entrypoints.llm not importable yet")
+# ------------------------------------------------------------------ end to end (the engine)
+
 ENGINE_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=32 << 20, max_num_seqs=4, seed=0)
 
 
-@needs_engine
-@needs_test_plugin
-def test_generate_on_third_party_platform_matches_cpu():
+def test_generate_on_third_party_platform_matches_cpu(test_plugins):
     from tokenmill import LLM, SamplingParams
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):"]
@@ -377,7 +330,6 @@ def test_generate_on_third_party_platform_matches_cpu():
     assert got == want and all(len(t) == 8 for t in got)
 
 
-@needs_engine
 @pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
 def test_generate_device_cuda_exits_2_with_reason(capsys):
     from tokenmill.entrypoints.cli import main

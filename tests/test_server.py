@@ -1,35 +1,26 @@
 """`tokenmill serve` driven by the official openai SDK: routes, streaming, sampling options, errors.
 
-One real server (default model, light KV pool) is started for the whole module and always stopped.
-TOKENMILL_TEST_FAKE_ENGINE=1 runs the same tests against the fake engine (no model needed).
+One real server (default model, light KV pool) is started for the whole module and always stopped
+(the `server` fixture of conftest.py, from SERVER_ARGS). TOKENMILL_TEST_FAKE_ENGINE=1 runs the same
+tests against the fake engine (no model needed).
 """
 from __future__ import annotations
-
-import json
-import os
 
 import httpx
 import openai
 import pytest
 
-from tokenmill.entrypoints.openai.testing import ServerProcess
-
 KEYS = ("key-old", "key-new")
 MODEL = "smol"
 MAX_MODEL_LEN = 1024
 BODY_LIMIT = 64 * 1024
-FAKE = os.environ.get("TOKENMILL_TEST_FAKE_ENGINE") == "1"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
-
-@pytest.fixture(scope="module")
-def server():
-    args = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", "16", "--num-threads", "1", "--kv-cache-memory", str(64 * 1024 * 1024), "--api-key", KEYS[0],
-            "--max-request-body-bytes", str(BODY_LIMIT), "--disable-access-log"]
-    with ServerProcess(args, env={"TOKENMILL_API_KEY": KEYS[1]}, fake_engine=FAKE) as srv:
-        yield srv
+SERVER_ARGS = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-seqs", "16", "--num-threads", "1", "--kv-cache-memory", str(64 * 1024 * 1024),
+               "--api-key", KEYS[0], "--max-request-body-bytes", str(BODY_LIMIT), "--disable-access-log"]
+SERVER_ENV = {"TOKENMILL_API_KEY": KEYS[1]}
 
 
 @pytest.fixture(scope="module")
@@ -211,15 +202,66 @@ def test_invalid_json_is_400(server):
 
 
 def test_prompt_longer_than_max_model_len(client):
+    # The engine checks the length (once); the route names the parameter as the client knows it.
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=[1000] * (MAX_MODEL_LEN + 5), max_tokens=4)
-    _assert_error(e, 400, code="context_length_exceeded")
+    _assert_error(e, 400, param="prompt", code="context_length_exceeded")
+    assert e.value.body["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * MAX_MODEL_LEN}])
-    _assert_error(e, 400, code="context_length_exceeded")
+    _assert_error(e, 400, param="messages", code="context_length_exceeded")
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_MODEL_LEN)
-    _assert_error(e, 400, code="context_length_exceeded")
+    _assert_error(e, 400, param="max_tokens", code="context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=MAX_MODEL_LEN)
+    _assert_error(e, 400, param="max_completion_tokens", code="context_length_exceeded")
+    with pytest.raises(openai.BadRequestError) as e:   # streamed: still a plain 400, before the stream starts
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_MODEL_LEN, stream=True)
+    _assert_error(e, 400, param="max_tokens", code="context_length_exceeded")
+
+
+def test_one_bad_prompt_among_several_is_400(client):
+    """Every prompt of a request reaches the engine in one command, so a refused one fails the request
+    before any sibling streams (and the siblings are aborted)."""
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=[[1000, 1001, 1002], [10 ** 9]], max_tokens=4,
+                                      stream=stream)
+        _assert_error(e, 400, param="prompt")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[], max_tokens=4)
+    _assert_error(e, 400, param="prompt")
+
+
+def test_echo(client):
+    kwargs = dict(model=MODEL, prompt=[PROMPT, "Hello"], max_tokens=3, temperature=0, echo=True, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs)
+    assert [c.text[:len(p)] for c, p in zip(out.choices, [PROMPT, "Hello"])] == [PROMPT, "Hello"]
+    assert out.choices[0].logprobs.text_offset[0] == len(PROMPT)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for choice in out.choices:
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == choice.index) == choice.text
+
+
+def test_refusals_become_one_openai_error():
+    """The engine's RequestError crosses the process pipe pickled and becomes an APIError in one place."""
+    import pickle
+
+    from tokenmill.core.errors import RequestError
+    from tokenmill.entrypoints.openai import errors as E
+    from tokenmill.entrypoints.openai.engine_client import EngineDeadError
+
+    exc = pickle.loads(pickle.dumps(RequestError("too long", "prompt", "context_length_exceeded")))
+    err = E.from_exception(exc, {"prompt": "messages"})
+    assert (err.status, err.param, err.code, err.message) == (400, "messages", "context_length_exceeded", "too long")
+    plain = ValueError("top_p must be in (0, 1], got 0")
+    plain.param = "top_p"   # SamplingParams' own errors
+    assert (E.from_exception(plain).status, E.from_exception(plain).param) == (400, "top_p")
+    assert E.from_exception(EngineDeadError("gone")).code == "engine_dead"
+    assert E.from_exception(E.ServerShuttingDown()).code == "server_shutting_down"
+    assert E.from_exception(RuntimeError("boom")).status == 500
 
 
 def test_unknown_model_is_404(client):

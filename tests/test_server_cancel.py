@@ -3,37 +3,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 
 import httpx
 import openai
 import pytest
 
-from tokenmill.entrypoints.openai.testing import ServerProcess
-
-FAKE = os.environ.get("TOKENMILL_TEST_FAKE_ENGINE") == "1"
 MODEL = "smol"
-
-
-@pytest.fixture(scope="module")
-def server():
-    args = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "1024", "--max-num-seqs", "64",
-            "--max-num-batched-tokens", "128", "--kv-cache-memory", str(64 * 1024 * 1024), "--num-threads", "1",
-            "--disable-access-log"]
-    with ServerProcess(args, fake_engine=FAKE) as srv:
-        yield srv
+SERVER_ARGS = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "1024", "--max-num-seqs", "64",
+               "--max-num-batched-tokens", "128", "--kv-cache-memory", str(64 * 1024 * 1024), "--num-threads", "1",
+               "--disable-access-log"]
 
 
 def metrics(server) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^tokenmill:(\w+)\{([^}]*)\} (\S+)$", line)
-        if m:
-            name, labels, value = m.groups()
-            reason = re.search(r'finished_reason="(\w+)"', labels)
-            out[name + (f"[{reason.group(1)}]" if reason else "")] = float(value)
-    return out
+    return server.metrics()
 
 
 def wait_idle(server, timeout: float = 60.0) -> dict[str, float]:

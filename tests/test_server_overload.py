@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
@@ -11,26 +10,14 @@ import httpx
 import openai
 import pytest
 
-from tokenmill.entrypoints.openai.testing import ServerProcess
-
-FAKE = os.environ.get("TOKENMILL_TEST_FAKE_ENGINE") == "1"
 MODEL = "smol"
-
-
-@pytest.fixture(scope="module")
-def server():
-    args = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "1",
-            "--max-waiting-requests", "1", "--kv-cache-memory", str(32 * 1024 * 1024), "--num-threads", "1",
-            "--shutdown-timeout", "3"]
-    with ServerProcess(args, fake_engine=FAKE) as srv:
-        yield srv
+SERVER_ARGS = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "1",
+               "--max-waiting-requests", "1", "--kv-cache-memory", str(32 * 1024 * 1024), "--num-threads", "1",
+               "--shutdown-timeout", "3"]
 
 
 def _metric(server, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"tokenmill:{name}{{"):
-            return float(line.split()[-1])
-    raise KeyError(name)
+    return server.metrics()[name]
 
 
 def _wait(predicate, timeout: float = 60.0) -> bool:

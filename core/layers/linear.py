@@ -1,59 +1,59 @@
-"""Dense linear layers, including the fused ones (qkv, gate_up) that load from several HF tensors."""
+"""Linear layers, including the fused ones (qkv, gate_up) that load from several HF tensors.
+
+How the weights are stored, post-processed and multiplied is the layer's quantization method
+(quantization/interface.py); the layer owns only the geometry and how a checkpoint tensor lands
+in its parameters (`weight_loader`).
+"""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.quantization.interface import QuantizationMethod
+from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). Parameters start uninitialized: every one is overwritten at load.
+    """y = x W^T (+ b).
 
     `output_sizes` splits the output dimension into shards that the checkpoint stores as
-    separate tensors (q/k/v, gate/up); `load_shard` fills one of them. One fused matmul per
-    layer instead of three keeps small-batch decode from being dominated by op overhead.
+    separate tensors (q/k/v, gate/up); the weight loader fills one of them per call. One fused
+    matmul per layer instead of three keeps small-batch decode from being dominated by op overhead.
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int] | int, bias: bool = False,
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, quant_method: Optional[QuantizationMethod] = None) -> None:
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.input_size = input_size
         self.output_size = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(self.output_size, input_size, dtype=dtype), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False)
-                     if bias else None)
-        self._loaded: set[tuple[str, int]] = set()
-        self._kernel = None            # None: F.linear on `weight`
-        self._prepared = None
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, self.output_sizes, bias, dtype)
+        self._kernel: Any = None       # a platform's dense-matmul kernel (core/layers/kernels.py)
+        self._prepared: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        return self._kernel(x, self._prepared, self.bias)
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
+        """Copy `loaded` into `param` whole (shard_id None) or into output shard `shard_id`."""
+        target = param.data
+        if shard_id is not None:
+            if not 0 <= shard_id < len(self.output_sizes):
+                raise ValueError(f"shard {shard_id} of a layer with {len(self.output_sizes)} output shards")
+            target = target.narrow(0, sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id])
+        if tuple(target.shape) != tuple(loaded.shape):
+            where = "" if shard_id is None else f" (shard {shard_id})"
+            raise ValueError(f"shape mismatch{where}: checkpoint {tuple(loaded.shape)} vs model {tuple(target.shape)}")
+        target.copy_(loaded)
 
-    def use_kernel(self, kernel) -> None:
-        """Run matmuls through `kernel` (e.g. platforms/cpu_linear.py) on a re-laid-out copy
-        of the current weight; call after loading. None goes back to F.linear."""
+    def use_kernel(self, kernel: Any) -> None:
+        """Run matmuls through a platform's dense kernel on a re-laid-out copy of the loaded
+        weight (e.g. platforms/cpu_linear.py; platforms offer one only without `quantization=`,
+        since it bypasses the method). None goes back to the quantization method."""
         self._kernel = kernel
         self._prepared = None if kernel is None else kernel.prepare(self.weight)
 
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        """Copy `tensor` into output shard `shard` of `weight` or `bias`."""
-        param = self.weight if param_name == "weight" else self.bias
-        if param is None:
-            raise ValueError(f"checkpoint has a {param_name} this layer was built without")
-        start = sum(self.output_sizes[:shard])
-        size = self.output_sizes[shard]
-        target = param.data.narrow(0, start, size)
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"shape mismatch for shard {shard} of {param_name}: "
-                             f"checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}")
-        target.copy_(tensor)
-        self._loaded.add((param_name, shard))
-
-    def missing_shards(self) -> list[str]:
-        names = ["weight"] + (["bias"] if self.bias is not None else [])
-        return [f"{n}[{i}]" for n in names for i in range(len(self.output_sizes)) if (n, i) not in self._loaded]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None:
+            return self._kernel(x, self._prepared, self.bias)
+        return self.quant_method.apply(self, x, self.bias)

@@ -12,18 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .params import plain_parameter
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.eps = eps
         self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = plain_parameter(hidden_size, dtype=dtype)
         self._kernel = None
 
     def use_kernel(self, kernel) -> None:
-        """Run through `kernel(x, residual, weight, eps)` (a platform's fused op, e.g.
-        platforms/cpu_layer_kernels.py); it may return NotImplemented to fall back. None: torch."""
+        """Run through `kernel(x, residual, weight, eps)` (a platform's fused op, applied by
+        core/layers/kernels.py); it may return NotImplemented to fall back. None: torch."""
         self._kernel = kernel
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """GGUF checkpoints: HF config and tokenizer rebuilt from the metadata, tensors renamed to HF
-names and dequantized (quantization/gguf.py), Q/K un-permuted for llama-family files."""
+names, Q/K un-permuted for llama-family files. Tensors stay as stored (GGUFTensor); the GGUF
+checkpoint-format method (quantization/gguf.py) dequantizes each one as it is loaded."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
-import torch
+import numpy as np
 
-from tokenmill.quantization.gguf import dequantize
+from tokenmill.quantization.gguf import GGUFTensor, dequantize
 
 from .gguf_file import GGUFFile
 
@@ -126,27 +127,27 @@ def gguf_eos_token_ids(gguf: GGUFFile) -> list[int]:
     return [int(gguf.metadata[k]) for k in keys if gguf.metadata.get(k) is not None]
 
 
-def _unpermute_qk(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: per head, rows interleaved as (r0, r_half, r1, ...) go back to
-    (first half, second half). llama.cpp viewed rows as [H, 2, D/2] and swapped to [H, D/2, 2]."""
-    rows = weight.shape[0]
-    return (weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+def _unpermute_rows(data: np.ndarray, rows: int, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` on the stored bytes: per head, rows interleaved as (r0, r_half,
+    r1, ...) go back to (first half, second half). llama.cpp viewed rows as [H, 2, D/2] and
+    swapped to [H, D/2, 2]. ggml blocks run along a row, so whole rows of bytes move as they are,
+    and dequantizing afterwards gives exactly the un-permuted dequantized rows."""
+    by_row = np.asarray(data).reshape(rows, -1)
+    return by_row.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(-1)
 
 
-def iterate_gguf_weights(gguf: GGUFFile, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight of the file."""
+def iterate_gguf_weights(gguf: GGUFFile, config: Any) -> Iterator[tuple[str, GGUFTensor]]:
+    """(HF name, stored tensor) for every weight of the file."""
     permuted = gguf.architecture in _PERMUTED_QK_ARCHS
     for name, info in gguf.tensors.items():
         if name in _NON_WEIGHTS:
             continue
-        hf_name = hf_tensor_name(name)
-        tensor = dequantize(gguf.raw(name), info.qtype, info.shape, tensor_name=name)
+        data = gguf.raw(name)
         if permuted and (".attn_q." in name or ".attn_k." in name):
             # HF pairs rotary dims (i, i + D/2); llama.cpp's converter interleaved them.
-            tensor = _unpermute_qk(tensor, config.num_attention_heads if ".attn_q." in name
+            data = _unpermute_rows(data, info.shape[0], config.num_attention_heads if ".attn_q." in name
                                    else config.num_key_value_heads)
-        yield hf_name, tensor
+        yield hf_tensor_name(name), GGUFTensor(name, data, info.qtype, info.shape)
 
 
 def gguf_tokenizer(gguf: GGUFFile) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 

@@ -1,17 +1,45 @@
-"""load_model: a model source -> a ready model plus everything the engine needs around it."""
+"""load_model: an engine configuration -> a ready model plus everything the engine needs around it.
+
+Order matters: the attention backend is chosen from the model's attention geometry before the
+model is built (so every layer is built with it, never rebound), and the quantization method is
+resolved and given the platform's kernels before the layers create their weights.
+"""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
 
-from ..models.registry import builtin_architectures, resolve_architecture
+from tokenmill.attention_backends.interface import AttentionConfig
+from tokenmill.plugins import discovery
+from tokenmill.quantization.gguf import GGUFQuantization
+from tokenmill.quantization.interface import QuantizationMethod
+from tokenmill.quantization.unquantized import UnquantizedLinearMethod
+
+from ..config import EngineConfig, torch_dtype
+from ..layers.kernels import apply_layer_kernels
+from ..models.registry import resolve_architecture
 from . import gguf_loader, hf
 from .gguf_file import GGUFFile
 from .model_source import ModelSource, resolve_model_source
+from .weights import load_weights, process_weights_after_loading
+
+
+class PlatformLike(Protocol):
+    """What load_model asks of the platform (platforms/interface.py:Platform answers it; the core
+    does not import platforms/)."""
+    name: str
+    dispatch_key: str
+
+    def device(self) -> torch.device: ...
+    def activation_dtype(self, dtype: torch.dtype) -> torch.dtype: ...
+    def graph_capture(self, config: EngineConfig) -> Any: ...
+    def quantization_methods(self) -> list[str]: ...
+    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]: ...
+    def layer_kernels(self, config: EngineConfig) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -19,11 +47,15 @@ class ModelBundle:
     model: nn.Module
     hf_config: Any                       # transformers PretrainedConfig
     tokenizer: Any                       # transformers PreTrainedTokenizerBase
+    source: ModelSource
+    architecture: str
+    weight_dtype: torch.dtype            # what the weights are (config.model.dtype)
+    dtype: torch.dtype                   # what activations and the KV cache run in
+    attention_backend: type              # the class every attention layer was built with
+    quantization: Optional[str] = None   # config.model.quantization
     generation_defaults: dict = field(default_factory=dict)
     max_model_len: int = 2048
     eos_token_ids: list[int] = field(default_factory=list)
-    architecture: str = ""
-    source: Optional[ModelSource] = None
 
 
 @dataclass
@@ -80,37 +112,58 @@ def _max_model_len(config: Any) -> int:
     return 2048
 
 
-def load_tokenizer_and_config(model: Optional[str], tokenizer: Optional[str] = None) -> tuple[Any, Any]:
-    """(tokenizer, hf_config) without reading any weights (for processes that only tokenize)."""
-    meta = _load_metadata(model, tokenizer)
-    return meta.tokenizer, meta.hf_config
+def quantization_method(name: Optional[str], platform: PlatformLike) -> QuantizationMethod:
+    """The linear method for `quantization=name`: dense for None; else one the platform runs,
+    found in the registry (entry-point group tokenmill.quantization_methods), holding the
+    platform's kernels. ValueError naming `quantization` for anything else."""
+    if name is None:
+        return UnquantizedLinearMethod()
+    offered = platform.quantization_methods()
+    if name not in offered:
+        raise ValueError(f"quantization {name!r} is not supported on the {platform.name} platform; "
+                         f"supported: {offered or 'none'} (or leave it unset: checkpoints are dequantized at load)")
+    registered = discovery.quantization_methods()
+    if name not in registered:
+        raise ValueError(f"quantization {name!r} is offered by the {platform.name} platform but no such "
+                         f"quantization method is installed (installed: {sorted(registered)})")
+    method_cls = registered[name]
+    reason = method_cls.available()
+    if reason:
+        raise ValueError(f"quantization {name!r} cannot run here: {reason}")
+    method = method_cls()
+    method.use_kernels(platform.quantization_kernels(name))
+    return method
 
 
-def load_model(model: Optional[str], tokenizer: Optional[str], dtype: torch.dtype, device: torch.device,
-               attn_backend_cls: type, kv_cache_dtype: str = "auto",
-               extra_architectures: Optional[dict] = None) -> ModelBundle:
-    meta = _load_metadata(model, tokenizer)
-    architectures = getattr(meta.hf_config, "architectures", None) or []
-    model_cls = resolve_architecture(architectures, extra_architectures)
-    known = set(extra_architectures or {}) | set(builtin_architectures())
-    architecture = next(a for a in architectures if a in known)
-    device = torch.device(device)
-    # Build parameters directly on the target device, uninitialized: load fills every one.
-    with torch.device(device):
-        net = model_cls(meta.hf_config, attn_backend_cls, dtype, kv_cache_dtype)
+def load_model(config: EngineConfig, platform: PlatformLike,
+               choose_backend: Callable[[AttentionConfig], type]) -> ModelBundle:
+    """Build and load the model `config` names, on `platform`, with the attention backend
+    `choose_backend` picks for its geometry. `config` has been through EngineConfig.validate and
+    platform.check_and_update_config (config.model.dtype is a canonical name, not "auto")."""
+    method = quantization_method(config.model.quantization, platform)     # refuse before reading files
+    weight_dtype = torch_dtype(config.model.dtype)
+    dtype = platform.activation_dtype(weight_dtype)
+    meta = _load_metadata(config.model.model, config.model.tokenizer)
+    architecture, model_cls = resolve_architecture(getattr(meta.hf_config, "architectures", None),
+                                                   discovery.model_architectures())
+    attn_config = model_cls.attention_config(
+        meta.hf_config, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
+        graph_capture=platform.graph_capture(config).name, device=platform.dispatch_key)
+    backend_cls = choose_backend(attn_config)
+    # Parameters are built on the target device, uninitialized (loading fills every one), in the
+    # activation dtype: where weights are narrower (bf16 on a CPU without AMX) a platform layer
+    # kernel rounds them (Bf16WeightLinear).
+    with torch.device(platform.device()):
+        net = model_cls(meta.hf_config, backend_cls, dtype, config.cache.kv_cache_dtype, method)
     if meta.gguf is not None:
-        weights = gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config)
+        load_weights(net, gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config), GGUFQuantization())
     else:
-        weights = hf.iterate_safetensors(meta.source.path)
-    net.load_weights(weights)
+        load_weights(net, hf.iterate_safetensors(meta.source.path))
+    process_weights_after_loading(net)
+    apply_layer_kernels(net, platform.layer_kernels(config))
     net.eval()
     return ModelBundle(
-        model=net,
-        hf_config=meta.hf_config,
-        tokenizer=meta.tokenizer,
-        generation_defaults=meta.generation_defaults,
-        max_model_len=_max_model_len(meta.hf_config),
-        eos_token_ids=_eos_ids(meta),
-        architecture=architecture,
-        source=meta.source,
-    )
+        model=net, hf_config=meta.hf_config, tokenizer=meta.tokenizer, source=meta.source,
+        architecture=architecture, weight_dtype=weight_dtype, dtype=dtype, attention_backend=backend_cls,
+        quantization=config.model.quantization, generation_defaults=meta.generation_defaults,
+        max_model_len=_max_model_len(meta.hf_config), eos_token_ids=_eos_ids(meta))

@@ -5,10 +5,14 @@ the attention backend sorts out which token attends to which through attn_metada
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
+
+from tokenmill.attention_backends.interface import AttentionConfig
+from tokenmill.quantization.interface import QuantizationMethod
+from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
@@ -40,15 +44,17 @@ def _sliding_window(config: Any, layer_idx: int) -> Optional[int]:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
-                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 quant_method: QuantizationMethod) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = _head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
+                               dtype=dtype, quant_method=quant_method)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant_method)
         self.rotary_emb = rotary
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -74,13 +80,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, quant_method: QuantizationMethod) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"activation {act!r} is not supported (only silu)")
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
+                                   quant_method=quant_method)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype,
+                                quant_method=quant_method)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,11 +97,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
-                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 quant_method: QuantizationMethod) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary, attn_backend_cls, dtype, kv_cache_dtype,
-                                        qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config, dtype, bias=bool(getattr(config, "mlp_bias", False)))
+                                        qkv_bias, o_bias, qk_norm, quant_method)
+        self.mlp = LlamaMLP(config, dtype, bool(getattr(config, "mlp_bias", False)), quant_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -111,14 +120,15 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, attn_backend_cls: type, dtype: torch.dtype, kv_cache_dtype: str,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_method: QuantizationMethod) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         # One cos/sin table shared by every layer.
         rotary = get_rope(config, _head_dim(config), config.max_position_embeddings, dtype)
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm)
+            LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm,
+                              quant_method)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -132,76 +142,59 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-# HF checkpoint tensor -> (our fused module's parameter, shard index)
-_STACKED = (
-    (".self_attn.q_proj.", ".self_attn.qkv_proj.", 0),
-    (".self_attn.k_proj.", ".self_attn.qkv_proj.", 1),
-    (".self_attn.v_proj.", ".self_attn.qkv_proj.", 2),
-    (".mlp.gate_proj.", ".mlp.gate_up_proj.", 0),
-    (".mlp.up_proj.", ".mlp.gate_up_proj.", 1),
-)
-
-
 class LlamaForCausalLM(nn.Module):
+    """The model contract the engine relies on: built as cls(hf_config, attn_backend_cls, dtype,
+    kv_cache_dtype, quant_method); `attention_config(...)` before building (the backend is chosen
+    from it); `packed_modules_mapping` and per-parameter weight loaders for the generic loader
+    (core/loaders/weights.py); `attention_layers`, forward(input_ids, positions, attn_metadata)
+    and compute_logits(hidden) for the model runner."""
     # Per-architecture switches the subclasses flip; None = read from the config.
     qkv_bias: Optional[bool] = None
     o_bias: Optional[bool] = None
     qk_norm: bool = False
+    # Our fused module -> the HF tensors it is loaded from, with each one's output shard.
+    packed_modules_mapping: ClassVar[dict[str, list[tuple[str, int]]]] = {
+        "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+    # Checkpoint tensors that are not weights here (older HF checkpoints store the rope table).
+    ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
 
     def __init__(self, hf_config: Any, attn_backend_cls: type, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", quant_method: Optional[QuantizationMethod] = None) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
+        quant_method = quant_method or UnquantizedLinearMethod()
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(hf_config, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(hf_config, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, self.qk_norm,
+                                quant_method)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype,
-                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+                              quant_method=quant_method.lm_head_method())
         self.attention_layers: list[Attention] = [layer.self_attn.attn for layer in self.model.layers]
+
+    @classmethod
+    def attention_config(cls, hf_config: Any, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                         block_size: int = 16, graph_capture: str = "none", device: str = "cpu") -> AttentionConfig:
+        """What the attention layers will ask of a backend, known before the model is built. With
+        a window on only some layers, the window: the backend must support it for those."""
+        windows = {_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+        num_heads = hf_config.num_attention_heads
+        return AttentionConfig(
+            head_size=_head_dim(hf_config), num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads, dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype, block_size=block_size, sliding_window=max(windows, default=None),
+            logits_soft_cap=None, graph_capture=graph_capture, device=device)
 
     def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor, attn_metadata) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (partly fused) parameters; ValueError if any is missing."""
-        modules = dict(self.named_modules())
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue    # some checkpoints store the tied copy too
-            for hf_part, our_part, shard in _STACKED:
-                if hf_part in name:
-                    module_name, _, param_name = name.replace(hf_part, our_part).rpartition(".")
-                    modules[module_name].load_shard(param_name, shard, tensor)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                module_name, _, param_name = name.rpartition(".")
-                if isinstance(modules.get(module_name), Linear):
-                    modules[module_name].load_shard(param_name, 0, tensor)
-                    continue
-                param = params[name]
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} "
-                                     f"vs model {tuple(param.shape)}")
-                param.data.copy_(tensor)
-                loaded.add(name)
-        missing = [f"{n}.{s}" for n, m in modules.items() if isinstance(m, Linear) for s in m.missing_shards()]
-        missing += [n for n in params if n not in loaded and not isinstance(modules.get(n.rpartition(".")[0]), Linear)]
-        if missing:
-            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
-                             + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,31 +1,19 @@
-"""HF `architectures` name -> model class, for the builtin models and plugin-provided ones."""
+"""HF `architectures` name -> model class.
+
+The one registry is the entry-point group `tokenmill.model_architectures` (tokenmill's own four
+models are registered there like any plugin's), read by plugins/discovery.py; this only picks
+from what it found. A model class follows the contract of core/models/llama.py:LlamaForCausalLM.
+"""
 from __future__ import annotations
 
-import importlib
-from typing import Optional
-
-_BUILTIN: dict[str, str] = {
-    "LlamaForCausalLM": "tokenmill.core.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "tokenmill.core.models.llama:MistralForCausalLM",
-    "Qwen2ForCausalLM": "tokenmill.core.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "tokenmill.core.models.qwen3:Qwen3ForCausalLM",
-}
+from typing import Mapping, Optional
 
 
-def builtin_architectures() -> list[str]:
-    return sorted(_BUILTIN)
-
-
-def resolve_architecture(architectures: Optional[list[str]], extra: Optional[dict] = None) -> type:
-    """The model class for the first of `architectures` we know. Plugin classes (`extra`)
-    win over builtins of the same name, so a plugin can replace an implementation."""
-    extra = extra or {}
+def resolve_architecture(architectures: Optional[list[str]], registered: Mapping[str, type]) -> tuple[str, type]:
+    """(name, class) for the first of the checkpoint's `architectures` that is registered;
+    ValueError naming them and every registered one otherwise."""
     for arch in architectures or []:
-        if arch in extra:
-            return extra[arch]
-        if arch in _BUILTIN:
-            module, _, attr = _BUILTIN[arch].partition(":")
-            return getattr(importlib.import_module(module), attr)
-    known = sorted(set(_BUILTIN) | set(extra))
+        if arch in registered:
+            return arch, registered[arch]
     raise ValueError(f"unsupported model architecture {architectures!r}; registered architectures: "
-                     + ", ".join(known))
+                     + ", ".join(sorted(registered)))

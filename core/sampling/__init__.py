@@ -1,4 +1,4 @@
-"""Token sampling: the batched Sampler and prompt logprobs."""
-from .sampler import Sampler, SamplerOutput, SamplingRow, compute_prompt_logprobs
+from .prompt_logprobs import compute_prompt_logprobs
+from .sampler import Sampler, SamplerOutput, SamplingRow
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "compute_prompt_logprobs"]

@@ -45,10 +45,11 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(quantization=args.quantization, max_model_len=2048)
     if args.path == "int4-kernel":
-        from tokenmill.platforms.cpu_linear import Int4WeightLinear
+        from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
         for module in llm.engine.bundle.model.modules():
-            if isinstance(getattr(module, "_kernel", None), Int4WeightLinear):
-                module._kernel.small_batch_rows = 1 << 30
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, CpuInt4Quantization):
+                method.small_batch_rows = 1 << 30
     total_nll, total_tokens = 0.0, 0
     for passage in PASSAGES:
         out = llm.generate([passage], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]

@@ -1,12 +1,21 @@
 """Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure the server reports, 401 and 404 included, goes through `APIError`, so a client
-(the official SDK included) always sees the same shape and the right status code.
+(the official SDK included) always sees the same shape and the right status code. What the
+engine refuses (a `RequestError`, pickled unchanged across the process boundary) and what
+SamplingParams refuses (a ValueError naming its `param`) become an APIError in exactly one
+place, `from_exception`.
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from .engine_client import EngineDeadError
+
+
+class ServerShuttingDown(Exception):
+    """Ends a request the shutdown grace period did not let finish."""
 
 
 class APIError(Exception):
@@ -32,10 +41,6 @@ class APIError(Exception):
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
-
-
-def context_length_exceeded(message: str, param: Optional[str] = "messages") -> APIError:
-    return APIError(400, message, "invalid_request_error", param, "context_length_exceeded")
 
 
 def model_not_found(model: str) -> APIError:
@@ -69,10 +74,29 @@ def internal_error(message: str = "The server had an internal error while proces
     return APIError(500, message, "server_error", None, "internal_error")
 
 
-def from_engine_value_error(exc: BaseException, default_param: Optional[str] = None) -> APIError:
-    """Map an engine ValueError (bad input) to a 400; context-length errors get their OpenAI code."""
-    message = str(exc) or exc.__class__.__name__
-    param = getattr(exc, "param", None) or default_param
-    if "maximum context length" in message:
-        return context_length_exceeded(message, param or "messages")
-    return bad_request(message, param)
+def server_shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; the request was aborted.", "server_error", None,
+                    "server_shutting_down")
+
+
+def from_exception(exc: BaseException, rename: Optional[Mapping[str, str]] = None) -> APIError:
+    """The one translation of a request's failure into what the client sees.
+
+    A ValueError (the engine's RequestError, SamplingParams' own) is a 400 that keeps its
+    `param` and `code` (e.g. "context_length_exceeded"); `rename` maps the engine's parameter
+    names to the route's (chat calls the engine's "prompt" "messages"). A dead engine or a
+    shutdown is a 503; anything else the engine raised is a 500 carrying its message.
+    """
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_dead()
+    if isinstance(exc, ServerShuttingDown):
+        return server_shutting_down()
+    if isinstance(exc, ValueError):
+        message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+        param = getattr(exc, "param", None)
+        if rename and param in rename:
+            param = rename[param]
+        return bad_request(message, param, getattr(exc, "code", None))
+    return internal_error(f"The engine refused the request: {type(exc).__name__}: {exc}")

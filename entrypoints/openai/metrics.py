@@ -6,12 +6,10 @@ Counters are exposed with prometheus_client's `_total` suffix, as vLLM's are.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
-
-from .engine_client import EngineStatsSnapshot
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -82,12 +80,14 @@ class ServerMetrics:
         self._aborted.inc(0)
 
     # ---------------------------------------------------------------- engine stats
-    def update_stats(self, stats: EngineStatsSnapshot) -> None:
-        self._running.set(stats.num_running)
-        self._waiting.set(stats.num_waiting)
-        self._kv.set(stats.kv_cache_usage)
+    def update_stats(self, stats: Mapping[str, float]) -> None:
+        """Set the gauges and advance the counters from the engine's EngineStats fields (a dict:
+        the engine process sends the record's fields, see core/engine_process.stats_dict)."""
+        self._running.set(stats.get("num_running", 0))
+        self._waiting.set(stats.get("num_waiting", 0))
+        self._kv.set(stats.get("kv_cache_usage", 0.0))
         for name in _COUNTER_FIELDS:
-            value = int(getattr(stats, name, 0) or 0)
+            value = int(stats.get(name, 0) or 0)
             delta = value - self._last[name]
             if delta > 0:
                 self._counters[name].inc(delta)

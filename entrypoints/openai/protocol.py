@@ -2,11 +2,12 @@
 
 Unknown fields are ignored (as OpenAI-compatible servers commonly do), so a client that sends
 a newer OpenAI field does not break. Validation errors are turned into OpenAI-shaped 400s that
-name the offending `param` (see `validation_error`).
+name the offending `param` (see `validation_error`). Responses have no models: they are built
+as plain dicts, the cheapest thing to json.dumps once per streamed chunk.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -129,7 +130,3 @@ def parse(model_cls: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         raise validation_error(exc) from None
 
-
-# ------------------------------------------------------------------ responses are plain dicts
-# (json.dumps of dicts is the cheapest thing to do per streamed chunk)
-FinishReason = Literal["stop", "length", "abort"]

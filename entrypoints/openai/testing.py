@@ -1,145 +1,228 @@
-"""A tiny stand-in with LLMEngine's interface, for exercising the server without a model.
+"""A stand-in with LLMEngine's interface, for exercising the server without a model, and the
+helper that starts `tokenmill serve` for tests.
 
-`tokenmill serve --engine-factory tokenmill.entrypoints.openai.testing:FakeEngine` serves it.
-It uses the default model's real tokenizer (chat template included) but "generates" token ids
-from a seeded RNG, one token per step per sequence, with the scheduler's shape: at most
-max_num_seqs running, the rest waiting; KV blocks counted per sequence. TOKENMILL_FAKE_STEP_S
-sets the time one step takes (default 0.01 s).
+`tokenmill serve --engine-factory tokenmill.entrypoints.openai.testing:FakeEngine` serves the fake.
+It follows the engine's contract: the default model's real tokenizer (chat template included),
+the same request validation (RequestError with `param`/`code`: vocabulary, empty prompt, context
+length, explicit max_tokens, KV pool), and per-step `RequestDelta`s (new token ids, new text with a
+partial stop string held back, new logprobs; metrics on the finishing delta). It "generates" token
+ids from a seeded RNG (greedy: a fixed function of the prompt), one token per step per sequence,
+with the scheduler's shape: at most max_num_seqs running, the rest waiting; KV blocks counted per
+sequence. TOKENMILL_FAKE_STEP_S sets the time one step takes (default 0.01 s).
 """
 from __future__ import annotations
 
 import os
-import signal
 import random
+import re
+import signal
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from ...core.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .engine_client import EngineStatsSnapshot, _load_tokenizer_fallback
-
-
-# The fake engine reports the same stats record the real engine's snapshot uses.
-FakeStats = EngineStatsSnapshot
+from ...core.detokenizer import IncrementalDetokenizer
+from ...core.errors import RequestError
+from ...core.outputs import CompletionDelta, EngineStats, RequestDelta, RequestMetrics
 
 
 class _Platform:
     name = "fake"
 
 
+class _Seq:
+    """One choice: its tokens, its detokenizer (stop strings, held-back text) and its RNG."""
+
+    def __init__(self, index: int, prompt_ids: list[int], params: Any, tokenizer: Any) -> None:
+        self.index = index
+        self.token_ids: list[int] = []
+        self.rng = random.Random(None if params.seed is None else params.seed * 1000 + index)
+        self.detok = IncrementalDetokenizer(
+            tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        self.cumulative_logprob = 0.0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+
+
 class _Req:
-    def __init__(self, rid: str, ids: list[int], params: Any, arrival: float) -> None:
-        self.rid, self.ids, self.params = rid, ids, params
+    def __init__(self, rid: str, ids: list[int], params: Any, max_tokens: int, arrival: float,
+                 tokenizer: Any) -> None:
+        self.rid, self.ids, self.params, self.max_tokens = rid, ids, params, max_tokens
         self.metrics = RequestMetrics(arrival_time=arrival)
-        seed = params.seed
-        self.rngs = [random.Random(None if seed is None else seed * 1000 + i) for i in range(params.n)]
-        self.outs = [CompletionOutput(index=i, text="", token_ids=[], cumulative_logprob=0.0,
-                                      logprobs=[] if params.logprobs is not None else None) for i in range(params.n)]
+        self.seqs = [_Seq(i, ids, params, tokenizer) for i in range(params.n)]
+        self.num_computed = 0     # prompt tokens prefilled so far
+
+
+def _load_tokenizer(model: Optional[str], tokenizer: Optional[str]) -> Any:
+    """The model's tokenizer through transformers alone: the fake needs no weights, and does not
+    depend on the engine's loaders."""
+    from transformers import AutoTokenizer
+
+    from ...core.loaders.model_source import resolve_model_source
+    source = tokenizer or resolve_model_source(model).path
+    if str(source).endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)),
+                                             gguf_file=os.path.basename(source))
+    return AutoTokenizer.from_pretrained(source)
 
 
 class FakeEngine:
     def __init__(self, config: Any) -> None:
         self.config = config
-        self.tokenizer = _load_tokenizer_fallback({"model": config.model.model, "tokenizer": config.model.tokenizer})
+        self.tokenizer = _load_tokenizer(config.model.model, config.model.tokenizer)
         config.finalize(8192)
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = len(self.tokenizer)
         self.model_name = config.model.served_model_name or "fake"
         self.platform = _Platform()
         self.attention_backend_name = "none"
         self.block_size = config.cache.block_size
         self.num_kv_blocks = 4096
         self.step_s = float(os.environ.get("TOKENMILL_FAKE_STEP_S", "0.01"))
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.requests: dict[str, _Req] = {}     # unfinished, waiting or running (the engine's one table)
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
-        self._stats = FakeStats()
+        self._stats = EngineStats()
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("prompt_token_ids must be a list of integers", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})", "prompt",
+                               "invalid_value")
+        return list(prompt)
 
     def add_request(self, request_id: str, prompt: Any, params: Any, arrival_time: Optional[float] = None,
-                    priority: int = 0) -> None:
-        if isinstance(prompt, dict):
-            ids = list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if len(ids) + 1 > self.config.model.max_model_len:
-            err = ValueError(f"prompt of {len(ids)} tokens exceeds the maximum context length "
-                             f"{self.config.model.max_model_len}")
-            err.param = "prompt"  # type: ignore[attr-defined]
-            raise err
-        self.waiting.append(_Req(request_id, ids, params, arrival_time or time.monotonic()))
+                    priority: int = 0, max_tokens_must_fit: bool = False) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        ids = self._prompt_ids(prompt)
+        limit = self.max_model_len
+        if not ids:
+            raise RequestError("the prompt is empty", "prompt", "invalid_value")
+        if len(ids) + 1 > limit:
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                               f"{len(ids)} tokens. Please reduce the length of the prompt.", "prompt",
+                               "context_length_exceeded")
+        max_tokens = params.max_tokens
+        if (max_tokens_must_fit and max_tokens is not None and params.is_explicit("max_tokens")
+                and len(ids) + max_tokens > limit):
+            raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                               f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
+                               f"completion). Please reduce the length of the prompt or of max_tokens.",
+                               "max_tokens", "context_length_exceeded")
+        room = limit - len(ids)      # an unset max_tokens is clipped to the context
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+        needed = -(-(len(ids) + 1) // self.block_size) * params.n
+        if needed > self.num_kv_blocks:
+            raise RequestError(f"the prompt needs {needed} KV blocks but the pool has only {self.num_kv_blocks}",
+                               "prompt")
+        r = _Req(request_id, ids, params, max_tokens,
+                 time.monotonic() if arrival_time is None else arrival_time, self.tokenizer)
+        self.requests[request_id] = r
+        self.waiting.append(r)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
-        ids = set(request_ids)
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        for rid in ids:
+            self.requests.pop(rid, None)
         self.waiting = [r for r in self.waiting if r.rid not in ids]
         self.running = [r for r in self.running if r.rid not in ids]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.requests)
 
     def _blocks(self, r: _Req) -> int:
-        total = len(r.ids) + max(len(o.token_ids) for o in r.outs)
+        total = len(r.ids) + max(len(s.token_ids) for s in r.seqs)
         return -(-total // self.block_size) * r.params.n
 
-    def stats(self) -> FakeStats:
+    def stats(self) -> EngineStats:
         s = self._stats
         s.num_running, s.num_waiting = len(self.running), len(self.waiting)
         s.kv_cache_usage = min(1.0, sum(self._blocks(r) for r in self.running) / self.num_kv_blocks)
         return s
 
-    def step(self) -> list[RequestOutput]:
-        if self.step_s:
-            time.sleep(self.step_s)
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestDelta]:
         now = time.monotonic()
         while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
             r = self.waiting.pop(0)
             r.metrics.first_scheduled_time = now
-            self._stats.prompt_tokens += len(r.ids)
             self.running.append(r)
-        outputs = []
-        eos = self.tokenizer.eos_token_id
-        for r in list(self.running):
-            p = r.params
-            for o, rng in zip(r.outs, r.rngs):
-                if o.finish_reason is not None:
-                    continue
-                if p.greedy:
-                    tid = 1000 + (sum(r.ids[-3:]) * 31 + len(o.token_ids) * 7919) % 8000
-                else:
-                    tid = rng.randrange(1000, 9000)
-                o.token_ids.append(tid)
-                self._stats.generation_tokens += 1
-                if o.logprobs is not None:
-                    entry = {tid: -0.25}
-                    for k in range(p.logprobs):
-                        entry.setdefault(1000 + (tid + k + 1) % 8000, -1.0 - k)
-                    o.logprobs.append(entry)
-                o.cumulative_logprob = (o.cumulative_logprob or 0.0) - 0.25
-                o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-                for s in p.stop:
-                    pos = o.text.find(s)
-                    if pos >= 0:
-                        o.text = o.text[: pos + (len(s) if p.include_stop_str_in_output else 0)]
-                        o.finish_reason, o.stop_reason = "stop", s
-                        break
-                if o.finish_reason is None:
-                    if tid in p.stop_token_ids or (tid == eos and not p.ignore_eos):
-                        o.finish_reason, o.stop_reason = "stop", tid
-                    elif p.max_tokens is not None and len(o.token_ids) >= p.max_tokens:
-                        o.finish_reason = "length"
-                    elif len(r.ids) + len(o.token_ids) >= self.config.model.max_model_len:
-                        o.finish_reason = "length"
+        # Chunked prefill, as the scheduler does it: decodes first, prompts share what is left of
+        # the token budget; a request samples only once its whole prompt is computed.
+        budget = self.config.scheduler.max_num_batched_tokens or 2048
+        decoding = [r for r in self.running if r.num_computed >= len(r.ids)]
+        tokens = sum(r.params.n for r in decoding)
+        budget -= tokens
+        for r in self.running:
+            if r.num_computed < len(r.ids) and budget > 0:
+                chunk = min(len(r.ids) - r.num_computed, budget)
+                r.num_computed += chunk
+                budget -= chunk
+                tokens += chunk
+                self._stats.prompt_tokens += chunk
+                if r.num_computed >= len(r.ids):
+                    decoding.append(r)
+        if self.step_s:    # a step costs more the more tokens it computes
+            time.sleep(self.step_s * max(1.0, tokens / 32))
+        now = time.monotonic()
+        deltas = []
+        for r in decoding:
+            outs = [self._next_token(r, seq) for seq in r.seqs if seq.finish_reason is None]
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = now
             r.metrics.last_token_time = now
-            finished = all(o.finish_reason is not None for o in r.outs)
+            finished = all(seq.finish_reason is not None for seq in r.seqs)
             if finished:
                 r.metrics.finished_time = now
                 self.running.remove(r)
-            outputs.append(RequestOutput(r.rid, None, r.ids, [CompletionOutput(o.index, o.text, list(o.token_ids),
-                                                                               o.cumulative_logprob,
-                                                                               list(o.logprobs) if o.logprobs is not None else None,
-                                                                               o.finish_reason, o.stop_reason)
-                                                              for o in r.outs], finished, r.metrics))
-        return outputs
+                del self.requests[r.rid]
+            deltas.append(RequestDelta(r.rid, outs, finished, metrics=r.metrics if finished else None))
+        return deltas
+
+    def _next_token(self, r: _Req, seq: _Seq) -> CompletionDelta:
+        p = r.params
+        n_out = len(seq.token_ids)
+        if p.greedy:
+            tid = 1000 + (sum(r.ids[-3:]) * 31 + n_out * 7919) % 8000
+        else:
+            tid = seq.rng.randrange(1000, 9000)
+        seq.token_ids.append(tid)
+        n_out += 1
+        self._stats.generation_tokens += 1
+        logprobs = None
+        if p.logprobs is not None:
+            entry = {tid: -0.25}
+            for k in range(p.logprobs):
+                entry.setdefault(1000 + (tid + k + 1) % 8000, -1.0 - k)
+            logprobs = [entry]
+            seq.cumulative_logprob -= 0.25
+        stop_str = seq.detok.append([tid])
+        if n_out >= p.min_tokens:
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+            elif tid in p.stop_token_ids or (tid == self.eos_token_id and not p.ignore_eos):
+                seq.finish_reason, seq.stop_reason = "stop", tid
+        if seq.finish_reason is None and n_out >= r.max_tokens:
+            seq.finish_reason = "length"
+        text = seq.detok.output_text(finished=seq.finish_reason is not None, delta=True)
+        return CompletionDelta(seq.index, [tid], text, logprobs,
+                               seq.cumulative_logprob if p.logprobs is not None else None,
+                               seq.finish_reason, seq.stop_reason)
 
 
 # ---------------------------------------------------------------------------- test helper
@@ -197,6 +280,19 @@ class ServerProcess:
             time.sleep(0.25)
         self.stop()
         raise TimeoutError(f"tokenmill serve did not become healthy in {self.startup_timeout}s:\n{self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics as {name: value}, without the `tokenmill:` prefix; a `finished_reason` label
+        is kept as a suffix: `request_success_total[length]`."""
+        import httpx
+        out: dict[str, float] = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            m = re.match(r"^tokenmill:(\w+)\{([^}]*)\} (\S+)$", line)
+            if m:
+                name, labels, value = m.groups()
+                reason = re.search(r'finished_reason="(\w+)"', labels)
+                out[name + (f"[{reason.group(1)}]" if reason else "")] = float(value)
+        return out
 
     def log(self) -> str:
         if self._log is None:

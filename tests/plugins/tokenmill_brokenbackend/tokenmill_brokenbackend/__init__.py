@@ -1,1 +1,1 @@
-"""A deliberately broken attention backend, contributed by a plugin (see hooks.py)."""
+"""A deliberately broken attention backend, contributed by a plugin (see backend.py)."""

@@ -1,16 +1,12 @@
-"""The general plugin: pluggy hook implementations (entry-point group `tokenmill.plugins`)."""
+"""A pluggy hook subscriber (entry-point group `tokenmill.hooks`): records every request event."""
 from __future__ import annotations
 
 from tokenmill.plugins.hookspecs import hookimpl
 
-
-@hookimpl
-def tokenmill_attention_backends():
-    from .attention import TestPagedAttention
-    return {"testcpu_paged": TestPagedAttention}
+EVENTS: list = []     # what the tests read back
 
 
-@hookimpl
-def tokenmill_model_architectures():
-    from .model import TestLlamaForCausalLM
-    return {"TestLlamaForCausalLM": TestLlamaForCausalLM}
+class EventRecorder:
+    @hookimpl
+    def tokenmill_request_event(self, event):
+        EVENTS.append(event)

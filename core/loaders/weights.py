@@ -1,0 +1,81 @@
+"""The one weight loader for every architecture and checkpoint kind (nano-vllm's utils/loader.py).
+
+A checkpoint is an iterable of (HF name, stored tensor). Each name goes to a parameter, through
+the model's `packed_modules_mapping` when our module fuses several HF tensors (q/k/v, gate/up),
+and that parameter's own `weight_loader(param, tensor, shard_id)` copies it in: the parameter
+knows its layout (a fused shard, a quantized packing), so neither the model nor this loader has
+to. A checkpoint-format method (quantization/gguf.py) turns stored tensors into dense ones first.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tokenmill.quantization.interface import QuantizationMethod
+
+from ..layers.params import default_weight_loader
+
+PackedMapping = Mapping[str, Sequence[tuple[str, Any]]]
+
+
+def _target(name: str, packed: PackedMapping) -> tuple[str, Optional[Any]]:
+    """(our parameter name, shard id) for an HF tensor name."""
+    for fused, parts in packed.items():
+        for hf_module, shard_id in parts:
+            if f".{hf_module}." in name:
+                return name.replace(f".{hf_module}.", f".{fused}.", 1), shard_id
+    return name, None
+
+
+def _expected(params: Iterable[str], packed: PackedMapping) -> list[tuple[str, Optional[Any]]]:
+    """Every (parameter, shard id) a complete checkpoint fills."""
+    out = []
+    for name in params:
+        module = name.rpartition(".")[0].rpartition(".")[2]
+        shards = [shard_id for _, shard_id in packed[module]] if module in packed else [None]
+        out += [(name, shard_id) for shard_id in shards]
+    return out
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
+                 checkpoint_format: Optional[QuantizationMethod] = None) -> None:
+    """Load every checkpoint tensor into `model`; ValueError naming the tensor when one has no
+    place or the wrong shape, and naming the parameters a checkpoint leaves unfilled."""
+    packed: PackedMapping = getattr(model, "packed_modules_mapping", {})
+    ignored: Sequence[str] = getattr(model, "ignored_weights", ())
+    params = dict(model.named_parameters())
+    # A tied parameter is listed once, under its first name; checkpoints may store the other
+    # copy too (lm_head.weight of a tied embedding), which adds nothing.
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    loaded: set[tuple[str, Optional[Any]]] = set()
+    for name, stored in weights:
+        if name in aliases or any(pattern in name for pattern in ignored):
+            continue
+        target, shard_id = _target(name, packed)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        tensor = checkpoint_format.load_tensor(stored) if checkpoint_format is not None else stored
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
+        loaded.add((target, shard_id))
+    missing = [name if shard_id is None else f"{name}[{shard_id}]"
+               for name, shard_id in _expected(params, packed) if (name, shard_id) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
+                         + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+@torch.no_grad()
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer's quantization method re-lay out or quantize what was loaded."""
+    for module in model.modules():
+        method: Optional[QuantizationMethod] = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)

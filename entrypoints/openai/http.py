@@ -1,0 +1,144 @@
+"""HTTP plumbing shared by the routes: the key/body-size guard, JSON bodies, SSE, and racing a
+request's work against the client's disconnect (so that a client that leaves gets its engine
+requests aborted, streamed or not)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import errors as E
+
+T = TypeVar("T")
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying `obj` as compact JSON."""
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_response(err: E.APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class Guard:
+    """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize; body-size limit (413).
+
+    Pure ASGI rather than FastAPI middleware so that a refused request never reaches routing
+    and an oversized chunked upload is cut off while it is being read."""
+
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+    def __init__(self, app: Any, api_keys: Sequence[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in api_keys]
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        if self.keys and (path == "/v1" or path.startswith(self.PROTECTED_PREFIXES)):
+            auth = headers.get(b"authorization", b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            # compare_digest: no timing side channel on the key
+            if not token or not any(hmac.compare_digest(token, k) for k in self.keys):
+                return await error_response(E.invalid_api_key(bool(auth)))(scope, receive, send)
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            length = headers.get(b"content-length")
+            try:
+                if length is not None and int(length) > self.limit:
+                    return await error_response(E.request_too_large(self.limit))(scope, receive, send)
+            except ValueError:
+                return await error_response(E.bad_request("Invalid Content-Length header."))(scope, receive, send)
+            # Buffer the body (chunked uploads included) up to the limit, then replay it.
+            chunks: list[bytes] = []
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.limit:
+                    return await error_response(E.request_too_large(self.limit))(scope, receive, send)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+            body = b"".join(chunks)
+            replayed = False
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()     # after the body: the disconnect the routes watch for
+
+            return await self.app(scope, replay, send)
+        return await self.app(scope, receive, send)
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise E.bad_request("We could not parse the JSON body of your request. The body must be valid JSON.",
+                            None, "invalid_json") from None
+
+
+class ClientGone(Exception):
+    """The client disconnected before the work it was waiting for was done."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(request: Request, coro: Awaitable[T]) -> T:
+    """Await `coro`, but give up (raise ClientGone) as soon as the client disconnects."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    raise ClientGone()
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always runs `on_close` (abort whatever is unfinished), even when the
+    client goes away before the body iterator started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

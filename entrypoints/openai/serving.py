@@ -1,0 +1,299 @@
+"""What the generating routes share: server state, the engine requests behind one HTTP request,
+and the two ways of answering (one JSON body, or an SSE stream).
+
+One request, from HTTP to tokens (serving_completions.py and serving_chat.py follow this path):
+  1. parse and check the body, tokenize the prompt(s), build the SamplingParams; the engine
+     validates the rest (prompt length, vocabulary, max_tokens) and refuses with a RequestError;
+  2. `RequestGroup` adds one engine request per prompt; their deltas arrive on the group's queue;
+  3. the route's `absorb` folds each delta into its `Choice`s and says which choices changed;
+  4. non-streamed: `collect` absorbs until the end, then the route builds one JSON body;
+     streamed: `stream` turns every change into an SSE chunk shaped by the route's `shape`.
+A client that disconnects gets its engine requests aborted (`RequestGroup.close`) in both cases.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ...core.outputs import RequestDelta
+from ...core.sampling_params import SamplingParams
+from . import errors as E
+from .engine_client import EngineClient, EngineDeadError
+from .http import SSE_DONE, ClientGone, SSEResponse, race_disconnect, sse
+from .metrics import ServerMetrics
+
+logger = logging.getLogger("tokenmill.serve")
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+LOGPROB_FLOOR = -9999.0     # what -inf / nan logprobs are reported as (JSON has no -inf)
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_keys: list[str] = field(default_factory=list)
+    max_waiting_requests: Optional[int] = None
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class ServerState:
+    """Everything the routes need: the engine client, the tokenizer, the served names, metrics."""
+
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+        assert client.info is not None, "start the engine client first"
+        self.client = client
+        self.settings = settings
+        self.info = client.info
+        self.tokenizer = client.tokenizer
+        self.model_name = settings.served_model_names[0] if settings.served_model_names else client.info.model_name
+        self.model_names = settings.served_model_names or [self.model_name]
+        self.metrics = ServerMetrics(self.model_name)
+        self.created = int(time.time())
+        self._tok_str: dict[int, str] = {}
+
+    async def drain(self, timeout: float) -> None:
+        """On shutdown: let in-flight requests finish for `timeout` seconds, then abort the rest (their
+        streams end with an error event, non-streamed ones get a 503)."""
+        deadline = time.monotonic() + timeout
+        while self.client.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.client.num_in_flight:
+            logger.info("aborting %d in-flight request(s) for shutdown", self.client.num_in_flight)
+            self.client.abort_all(E.ServerShuttingDown())
+
+    def check_model(self, model: Optional[str]) -> str:
+        if model is None or model == "" or model in self.model_names:
+            return self.model_name
+        raise E.model_not_found(model)
+
+    def admit(self, num_requests: int) -> None:
+        """Refuse (503) when the waiting queue is full or the engine is gone."""
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.client.num_waiting_estimate + num_requests > limit:
+            raise E.server_overloaded()
+        if not self.client.is_alive:
+            raise E.engine_dead()
+
+    def token_str(self, tid: int, as_id: bool = False) -> str:
+        """A token's text for logprobs (cached: the same ids recur in every top-k list)."""
+        if as_id:
+            return f"token_id:{tid}"
+        s = self._tok_str.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid])
+            self._tok_str[tid] = s
+        return s
+
+
+def build_params(req: Any, logprobs: Optional[int], rename: Optional[Mapping[str, str]] = None,
+                 **overrides: Any) -> SamplingParams:
+    """SamplingParams from the body's sampling fields (fields left out keep the defaults, so the
+    engine can tell an explicit max_tokens from the default); its ValueError becomes a 400."""
+    kw: dict[str, Any] = {}
+    for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                 "logit_bias"):
+        value = getattr(req, name, None)
+        if value is not None:
+            kw[name] = value
+    if req.n is not None and req.n > MAX_N:
+        raise E.bad_request(f"n must be at most {MAX_N}, got {req.n}.", "n", "invalid_value")
+    kw.update(overrides)
+    if logprobs is not None:
+        kw["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kw)
+    except ValueError as exc:
+        raise E.from_exception(exc, rename) from None
+
+
+def clamp(lp: float) -> float:
+    return lp if lp == lp and lp > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Choice:
+    """One choice of a response as it accumulates (the text kept as pieces: joined once)."""
+    __slots__ = ("text", "num_tokens", "finish_reason", "stop_reason", "lp", "offset")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.num_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: Any = None
+        self.lp: Any = None       # accumulated logprobs (format depends on the route)
+        self.offset = 0           # text offset for completions logprobs
+
+
+# ================================================================================== request group
+class _Sub:
+    """One engine request of a group (one prompt). It is the sink the engine client feeds: items
+    arrive on the group's queue tagged with it, so no id → prompt table is needed."""
+    __slots__ = ("group", "request_id", "index", "first", "last", "itls", "reason", "finished")
+
+    def __init__(self, group: "RequestGroup", request_id: str, index: int) -> None:
+        self.group, self.request_id, self.index = group, request_id, index
+        self.first: Optional[float] = None       # when the first delta arrived (TTFT)
+        self.last = 0.0
+        self.itls: list[float] = []
+        self.reason: Optional[str] = None        # choice 0's finish reason, the metric's label
+        self.finished = False
+
+    def put_nowait(self, item: Any) -> None:
+        self.group.q.put_nowait((self, item))
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (one per prompt), sharing one output queue.
+    `rename` maps the engine's parameter names to the route's, for the errors it reports."""
+
+    def __init__(self, state: ServerState, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                 priority: int, arrival: float, rename: Optional[Mapping[str, str]] = None) -> None:
+        self.state = state
+        self.rename = rename
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.arrival = arrival
+        self.subs = [_Sub(self, request_id if len(prompts) == 1 else f"{request_id}-{i}", i)
+                     for i in range(len(prompts))]
+        self.num_unfinished = len(self.subs)
+        self.closed = False
+        try:
+            state.client.add([(s.request_id, {"prompt_token_ids": ids}, params, s)
+                              for s, ids in zip(self.subs, prompts)], priority)
+        except EngineDeadError:
+            self.closed = True
+            raise E.engine_dead() from None
+
+    async def next(self) -> Optional[tuple[int, RequestDelta]]:
+        """The next (prompt index, delta); None once every request finished. A refusal, the engine's
+        death or a shutdown raises the APIError for it (and ends the group)."""
+        if not self.num_unfinished:
+            return None
+        sub, item = await self.q.get()
+        if isinstance(item, RequestDelta):
+            now = time.monotonic()
+            if sub.first is None:
+                sub.first = now
+            else:
+                sub.itls.append(now - sub.last)
+            sub.last = now
+            for c in item.outputs:
+                if c.index == 0 and c.finish_reason is not None:
+                    sub.reason = c.finish_reason
+            if item.finished:
+                self._finished(sub, item, now)
+            return sub.index, item
+        # An exception ends the group: the engine's RequestError, EngineDeadError or ServerShuttingDown.
+        sub.finished = True     # the client has already dropped it: nothing to abort
+        if isinstance(item, EngineDeadError):
+            for s in self.subs:
+                s.finished = True
+        self.close(count_aborts=isinstance(item, E.ServerShuttingDown))
+        raise E.from_exception(item, self.rename)
+
+    def _finished(self, sub: _Sub, delta: RequestDelta, now: float) -> None:
+        sub.finished = True
+        self.num_unfinished -= 1
+        reason = sub.reason or next((c.finish_reason for c in delta.outputs if c.finish_reason), "stop")
+        m = self.state.metrics
+        ttft = (sub.first or now) - self.arrival
+        if reason == "abort":     # the engine gave up on it by itself
+            m.request_was_aborted(ttft, sub.itls)
+        else:
+            queue_time = delta.metrics.queue_time if delta.metrics is not None else None
+            m.request_finished(reason, ttft, sub.itls, now - self.arrival, queue_time)
+
+    def close(self, count_aborts: bool = True) -> None:
+        """Abort every engine request that has not finished (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        open_subs = [s for s in self.subs if not s.finished]
+        self.num_unfinished = 0
+        for s in self.subs:
+            s.finished = True
+        if open_subs:
+            self.state.client.abort([s.request_id for s in open_subs])
+            if count_aborts:
+                for s in open_subs:
+                    ttft = s.first - self.arrival if s.first is not None else None
+                    self.state.metrics.request_was_aborted(ttft, s.itls)
+
+
+# ================================================================================== answering
+# A change to one choice, as `absorb` reports it: (index, new text, new logprobs, finish_reason, stop_reason).
+Event = tuple[int, str, Any, Optional[str], Any]
+# A route's `absorb(prompt_index, delta)`: fold one engine delta into its choices, return what changed.
+Absorb = Callable[[int, RequestDelta], Iterable[Event]]
+
+
+async def collect(request: Request, group: RequestGroup, absorb: Absorb) -> bool:
+    """Non-streamed: feed every delta to `absorb` until the engine is done. Returns False when the client
+    disconnected first. Either way the group is closed (unfinished engine requests aborted) on return."""
+    async def drain() -> None:
+        while (item := await group.next()) is not None:
+            absorb(*item)
+    try:
+        await race_disconnect(request, drain())
+    except ClientGone:
+        return False
+    finally:
+        group.close()
+    return True
+
+
+async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any], include_usage: bool,
+                 opening: Callable[[], list[dict[str, Any]]], absorb: Absorb, shape: Callable[..., dict[str, Any]],
+                 usage: Callable[[], dict[str, Any]]) -> Response:
+    """Streamed: an SSE response of chunks `{**head, "choices": [choice]}` — first the `opening()` choices,
+    then `shape(*event)` for every event `absorb` reports, then (with include_usage) a usage chunk, then
+    [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
+    the client disconnects."""
+    try:   # wait for the first output, so that errors the engine finds are still a plain HTTP error
+        first = await race_disconnect(request, group.next())
+    except ClientGone:
+        group.close()
+        return Response(status_code=499)
+    except BaseException:
+        group.close()
+        raise
+
+    def chunk(choice: dict[str, Any]) -> str:
+        obj = {**head, "choices": [choice]}
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            for choice in opening():     # called once the engine accepted the request
+                yield chunk(choice)
+            item = first
+            while item is not None:
+                for event in absorb(*item):
+                    yield chunk(shape(*event))
+                item = await group.next()
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage()})
+            yield SSE_DONE
+        except E.APIError as err:
+            yield err.sse()
+            yield SSE_DONE
+        finally:
+            group.close()
+
+    return SSEResponse(events(), group.close)

@@ -1,0 +1,171 @@
+"""POST /v1/chat/completions: the model's chat template is applied here (text content parts only),
+then one engine request with `n` choices; logprobs in the chat format."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ...core.outputs import RequestDelta
+from . import errors as E
+from .http import read_json
+from .protocol import ChatCompletionRequest, parse
+from .serving import (LOGPROB_FLOOR, MAX_LOGPROBS, Choice, Event, RequestGroup, ServerState, build_params, clamp,
+                      collect, stream, usage)
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def chat_prompt(tokenizer: Any, messages: list[Any], tools: Any = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, kwargs: Optional[dict] = None) -> list[int]:
+    """The token ids of `messages` rendered by the tokenizer's chat template (also used by /tokenize)."""
+    msgs = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        content = d.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") == "text" and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                else:
+                    raise E.bad_request(f"Only text content parts are supported, got {part.get('type')!r}.",
+                                        f"messages.[{i}].content", "invalid_value")
+            d["content"] = "".join(parts)
+        if d.get("role") == "developer":     # OpenAI's newer name for the system role
+            d["role"] = "system"
+        if d.get("role") not in _ROLES:
+            raise E.bad_request(f"Invalid role {d.get('role')!r}.", f"messages.[{i}].role", "invalid_value")
+        msgs.append(d)
+    extra = dict(kwargs or {})
+    if tools:
+        extra["tools"] = tools
+    try:
+        text = tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, tokenize=False, **extra)
+    except Exception as exc:   # jinja errors: a template that refuses these messages
+        raise E.bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
+    if not isinstance(text, str):
+        raise E.internal_error("The chat template did not produce text.")
+    # The template already wrote the special tokens (BOS included) it wants.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class _LogprobsFormatter:
+    """Chat logprobs: one {"token", "logprob", "bytes", "top_logprobs"} entry per token."""
+
+    def __init__(self, state: ServerState, k: Optional[int], as_ids: bool) -> None:
+        self.state = state
+        self.k = k
+        self.as_ids = as_ids
+
+    def logprobs(self, token_ids: list[int], lps: Optional[list[dict[int, float]]]) -> Optional[list[dict]]:
+        if self.k is None or lps is None:
+            return None
+        st = self.state
+        content = []
+        for tid, entry in zip(token_ids, lps):
+            s = st.token_str(tid, self.as_ids)
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[: self.k]
+            content.append({
+                "token": s, "logprob": clamp(entry.get(tid, LOGPROB_FLOOR)), "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [{"token": (ts := st.token_str(t, self.as_ids)), "logprob": clamp(v),
+                                  "bytes": list(ts.encode("utf-8"))} for t, v in top],
+            })
+        return content
+
+
+def _check(req: ChatCompletionRequest) -> Optional[int]:
+    """The parameters this server does not support or bounds; returns top_logprobs' k (None: no logprobs)."""
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise E.bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format",
+                            "unsupported_parameter")
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise E.bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool-call parser).",
+                            "tool_choice", "unsupported_parameter")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise E.bad_request("top_logprobs requires logprobs to be true.", "top_logprobs", "invalid_value")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise E.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                "top_logprobs", "invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = parse(ChatCompletionRequest, await read_json(request))
+    model = state.check_model(req.model)
+    k = _check(req)
+    ids = chat_prompt(state.tokenizer, req.messages, req.tools, bool(req.add_generation_prompt),
+                      bool(req.continue_final_message), req.chat_template_kwargs)
+    # The engine's names for what this route calls "messages" and (when used) max_completion_tokens.
+    rename = {"prompt": "messages"}
+    if req.max_completion_tokens is not None:
+        rename["max_tokens"] = "max_completion_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    # None: until the context is full (the engine knows how far that is).
+    params = build_params(req, k, rename, max_tokens=requested)
+    n = req.n if req.n is not None else 1
+    state.admit(1)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    group = RequestGroup(state, request_id, [ids], params, req.priority or 0, arrival, rename)
+    fmt = _LogprobsFormatter(state, k, bool(req.return_tokens_as_token_ids))
+    created = int(time.time())
+    choices = [Choice() for _ in range(n)]
+
+    def absorb(_sub: int, d: RequestDelta) -> list[Event]:
+        """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
+        events = []
+        for c in d.outputs:
+            if not 0 <= c.index < n:
+                continue
+            ch = choices[c.index]
+            if c.text:
+                ch.text.append(c.text)
+            ch.num_tokens += len(c.token_ids)
+            lp = fmt.logprobs(c.token_ids, c.logprobs)
+            if lp is not None:
+                if ch.lp is None:
+                    ch.lp = []
+                ch.lp.extend(lp)
+            if c.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+            if c.text or lp or c.finish_reason is not None:
+                events.append((c.index, c.text, lp, c.finish_reason, c.stop_reason))
+        return events
+
+    def total_usage() -> dict[str, Any]:
+        return usage(len(ids), sum(ch.num_tokens for ch in choices))
+
+    if not req.stream:
+        if not await collect(request, group, absorb):
+            return Response(status_code=499)
+        out = [{"index": j, "message": {"role": "assistant", "content": "".join(ch.text)},
+                "logprobs": {"content": ch.lp or []} if k is not None else None,
+                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+               for j, ch in enumerate(choices)]
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                             "choices": out, "usage": total_usage()})
+
+    def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> dict[str, Any]:
+        """One choice of a streamed chunk: the new text as a delta of the assistant message."""
+        choice: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {},
+                                  "logprobs": {"content": lp} if lp is not None else None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return choice
+
+    def opening() -> list[dict[str, Any]]:
+        """The stream opens with an empty assistant message per choice."""
+        return [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for j in range(n)]
+
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    return await stream(request, group, head=head,
+                        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        opening=opening, absorb=absorb, shape=shape, usage=total_usage)
