@@ -1,7 +1,7 @@
 """Shared test helpers: a single-sequence AttentionMetadata with its KV caches, a decode batch
 over shuffled (optionally shared-prefix) blocks, tiny random-weight HF checkpoints, and
-`load_for_test` (load_model on a platform that changes nothing). Import with sys.path insertion
-of tests/ (tests have no __init__)."""
+`load_for_test` (load_model on a platform that changes nothing). Test modules import it as
+`model_helpers`: pyproject's pytest `pythonpath` puts tests/ on the import path."""
 from __future__ import annotations
 
 import random

@@ -1,18 +1,14 @@
 """Decodes that share physical prefix blocks attend to them once (cascade); same result as reference."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
-from tokenmill.attention_backends.interface import AttentionMetadata
 from tokenmill.attention_backends.reference import ReferenceAttention
 
-sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import decode_batch  # noqa: E402
+from model_helpers import decode_batch
 
 
 def _decode_batch(lens, shared_blocks, **kwargs):

@@ -2,8 +2,6 @@
 attention_backends/csrc/paged_decode.cpp) against plain torch."""
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from tokenmill.platforms import cpu_kernels
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.quantization import cpu_int4
 
-sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import decode_batch  # noqa: E402
+from model_helpers import decode_batch
 
 pytestmark = pytest.mark.skipif(cpu_kernels.available() is not None or cpu_paged_decode.available() is not None,
                                 reason=str(cpu_kernels.available() or cpu_paged_decode.available()))

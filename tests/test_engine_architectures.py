@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import save_tiny_checkpoint  # noqa: E402
+from model_helpers import save_tiny_checkpoint
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM, SamplingParams
 
 LENGTHS = [3, 17, 9, 33, 1, 24, 40, 12]
 MAX_TOKENS = 32

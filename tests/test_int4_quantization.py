@@ -84,9 +84,6 @@ def test_shapes_the_packed_format_cannot_hold_stay_dense():
 def test_int4_mode_goes_through_the_quantization_seam(tmp_path):
     """load_model on the cpu platform: every Linear under the int4 method, the LM head under
     its int8 head method, kernels handed by the platform."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
     from model_helpers import load_for_test, save_tiny_checkpoint
     from tokenmill.platforms.cpu import CpuPlatform
     from tokenmill.quantization.cpu_int4 import Int8HeadMethod
@@ -119,9 +116,6 @@ def test_engine_runs_int4_and_rejects_unknown_quantization():
 def test_int4_runs_every_architecture_close_to_float32(kind, tmp_path):
     """Biases, q/k norms (3-D inputs the fused norm leaves to torch), sliding windows and a tied
     head all go through the quantized path; prompt log-probs stay near float32's."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(__file__))
     from model_helpers import save_tiny_checkpoint
 
     save_tiny_checkpoint(kind, str(tmp_path))

@@ -2,16 +2,14 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import load_for_test, run_prompt  # noqa: E402
+from model_helpers import load_for_test, run_prompt
 
-from tokenmill.core.loaders.model_source import resolve_model_source  # noqa: E402
+from tokenmill.core.loaders.model_source import resolve_model_source
 
 
 @pytest.fixture(scope="module")

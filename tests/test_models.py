@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from model_helpers import (hf_last_logits, load_for_test, run_prompt, save_tiny_checkpoint,  # noqa: E402
+from model_helpers import (hf_last_logits, load_for_test, run_prompt, save_tiny_checkpoint,
                            single_sequence_metadata)
 
-from tokenmill.attention_backends.reference import ReferenceAttention  # noqa: E402
-from tokenmill.core.models.registry import resolve_architecture  # noqa: E402
-from tokenmill.plugins import discovery  # noqa: E402
+from tokenmill.attention_backends.reference import ReferenceAttention
+from tokenmill.core.models.registry import resolve_architecture
+from tokenmill.plugins import discovery
 
 PROMPT = [5, 17, 256, 999, 3, 42, 42, 7, 100, 512, 64, 1, 0, 880, 23, 19, 301, 77, 640, 12, 9]  # 21 tokens
 
