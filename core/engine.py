@@ -203,7 +203,7 @@ class LLMEngine:
             self._event("aborted", request)
 
     def reset_prefix_cache(self) -> None:
-        self.scheduler.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -98,6 +98,9 @@ class Scheduler:
                     f"{self.block_manager.num_blocks} (raise kv_cache_memory)")
         return None
 
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(

@@ -1,4 +1,4 @@
-"""The benchmark workloads of shared/WORKLOADS.md: token-id prompts, greedy, EOS ignored."""
+"""The benchmark workloads W1-W4 (defined in docs/benchmarks.md): token-id prompts, greedy, EOS ignored."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -6,6 +6,7 @@ engine calls with arguments are in plugins/hooks.py. Refused extensions are repo
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from tokenmill.attention_backends.interface import AttentionConfig
@@ -72,7 +73,7 @@ def extension_reports() -> list[ExtensionReport]:
     for kind in KINDS:
         out.extend(registry.reports(kind))
     out.extend(hooks.hook_reports())
-    out.extend(ExtensionReport(**r.to_dict()) for r in registry.retired_reports())
+    out.extend(dataclasses.replace(r) for r in registry.retired_reports())
     return out
 
 

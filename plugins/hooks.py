@@ -9,6 +9,7 @@ reported, like any other extension.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -114,7 +115,7 @@ def plugin_manager() -> pluggy.PluginManager:
 
 
 def hook_reports() -> list[registry.ExtensionReport]:
-    return [registry.ExtensionReport(**r.to_dict()) for r in _state().reports]
+    return [dataclasses.replace(r) for r in _state().reports]
 
 
 def register_builtin(obj: Any, name: str) -> None:

@@ -12,7 +12,7 @@ import importlib
 import importlib.metadata
 import logging
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from .kinds import HOOK_GROUP, KINDS, RETIRED_GROUP
@@ -45,7 +45,8 @@ class ExtensionReport:
         return self.package == BUILTIN_PACKAGE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # `version` and `loaded` spelled out too: what a script reading `--json` looks for first.
+        return {**asdict(self), "version": self.package_version, "loaded": self.loaded}
 
 
 def error_text(exc: BaseException) -> str:
@@ -138,7 +139,7 @@ def load(kind: str) -> dict[str, Any]:
 
 def reports(kind: str) -> list[ExtensionReport]:
     """Every entry point of one kind, loaded or refused, in precedence order."""
-    return [ExtensionReport(**r.to_dict()) for r in _load_kind(kind)[1]]   # copies: the cache stays
+    return [replace(r) for r in _load_kind(kind)[1]]   # copies: the cache stays
 
 
 def refused(kind: str) -> dict[str, str]:
