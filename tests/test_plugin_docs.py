@@ -141,3 +141,23 @@ def test_docs_quantization_parsers_model_and_hooks(whole_page, use_plugin_dir):
     kinds = {r.kind for r in discovery.extension_reports() if r.package == "tokenmill-myaccel" and r.loaded}
     assert kinds == {"platform", "attention_backend", "quantization_method", "tool_parser", "reasoning_parser",
                      "model_architecture", "hook"}
+
+
+def test_one_class_platform_serves_over_http(one_class_platform):
+    """`tokenmill serve --device myaccel` with only the docs' one class installed: the OpenAI
+    route answers with the greedy tokens `--device cpu` gives."""
+    import httpx
+
+    from tokenmill.entrypoints.openai.testing import ServerProcess
+
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    args = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", str(32 << 20), "--max-num-seqs", "4"]
+    texts = {}
+    for device in ("myaccel", "cpu"):
+        with ServerProcess(args + ["--device", device], env={"PYTHONPATH": str(one_class_platform)}) as server:
+            reply = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            texts[device] = (choice["text"], choice["logprobs"]["tokens"])
+    assert texts["myaccel"] == texts["cpu"] and len(texts["cpu"][1]) == 8
