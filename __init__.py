@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "__version__"]
 
 if TYPE_CHECKING:
     from .core.config import EngineConfig
-    from .core.sampling_params import SamplingParams
+    from .core.sampling_params import SamplingParams, StructuredOutputsParams
     from .entrypoints.llm import LLM
 
 
@@ -20,6 +20,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .core.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from .core.sampling_params import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "EngineConfig":
         from .core.config import EngineConfig
         return EngineConfig

@@ -28,6 +28,7 @@ from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SequenceUpdate
 from .sequence import Sequence
+from .structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from tokenmill.platforms.interface import Platform
@@ -72,6 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler()
         self.vocab_size = int(getattr(bundle.hf_config, "vocab_size", 0) or len(self.tokenizer))
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
         # The one table of requests in flight in this process.
         self.requests: dict[str, Request] = {}
@@ -168,10 +170,13 @@ class LLMEngine:
         self._check_length(len(token_ids), params, max_tokens_must_fit)
         if self.generation_defaults:
             params = params.with_generation_defaults(self.generation_defaults)
+        so = params.structured_outputs   # compiled here, synchronously (cached by the backend)
+        grammars = self.structured.matchers(so, params.n) if so is not None else [None] * params.n
         now = time.time() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, token_ids, params, now, priority)
+            seq.grammar = grammars[i]
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.platform.device()).manual_seed(params.seed + i)
             if params.detokenize:
@@ -242,7 +247,7 @@ class LLMEngine:
             eos = self.eos_token_ids
             rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
                                 output_token_ids=s.output_token_ids, generator=s.generator,
-                                eos_token_ids=() if s.params.ignore_eos else eos)
+                                eos_token_ids=() if s.params.ignore_eos or s.grammar else eos, grammar=s.grammar)
                     for s in result.sampled_seqs]
             sampled = self.sampler(result.logits, rows)
         return self._request_deltas(self.scheduler.update_from_output(batch, result, sampled))

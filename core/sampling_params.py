@@ -6,6 +6,79 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to one of: a JSON schema (`json`, a dict or its JSON text), any JSON
+    object (`json_object=True`), a regex, one of a list of strings (`choice`) or an EBNF / Lark
+    grammar (`grammar`). Exactly one may be set (ValueError naming `structured_outputs`)."""
+    json: Optional[Union[dict, str]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> ValueError:
+            err = ValueError(f"structured_outputs {message}")
+            err.param = "structured_outputs"  # type: ignore[attr-defined]
+            return err
+        if not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be a boolean, got {self.json_object!r}")
+        set_ = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise bad(f"needs exactly one of {', '.join(_STRUCTURED_KINDS)}; got "
+                      f"{', '.join(set_) if set_ else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise bad(f"json must be a JSON schema (an object or its JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(f"{name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad("choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one string (a cache key): JSON text for json / choice."""
+        import json as _json
+        kind = self.kind
+        if kind == "json":
+            return self.json if isinstance(self.json, str) else _json.dumps(self.json)   # key order is property order
+        if kind == "choice":
+            return _json.dumps(self.choice)
+        return "" if kind == "json_object" else getattr(self, kind)
+
+    @classmethod
+    def from_value(cls, value: Any) -> "StructuredOutputsParams":
+        """From a StructuredOutputsParams or a mapping of its fields (the API's body field)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise cls._bad_type(value)
+        unknown = sorted(set(value) - set(_STRUCTURED_KINDS))
+        if unknown:
+            err = ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+                             f"expected one of {', '.join(_STRUCTURED_KINDS)}")
+            err.param = "structured_outputs"  # type: ignore[attr-defined]
+            raise err
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+    @staticmethod
+    def _bad_type(value: Any) -> ValueError:
+        err = ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+        err.param = "structured_outputs"  # type: ignore[attr-defined]
+        return err
+
 
 # Fields whose default is not None and for which None has no meaning of its own.
 _NONE_MEANS_UNSET = frozenset({
@@ -38,6 +111,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None   # grammar-constrained output
     # Fields the caller set explicitly; generation_config.json defaults never override them.
     _explicit: frozenset = field(default=frozenset(), repr=False, compare=False)
 
@@ -150,6 +224,8 @@ class SamplingParams:
                     raise bad("logit_bias", f"values must be finite, got {bias}")
                 if not -100.0 <= bias <= 100.0:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
 
     # ---------------------------------------------------------------- helpers
     @property

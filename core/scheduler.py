@@ -231,7 +231,8 @@ class Scheduler:
     def update_from_output(self, batch: ScheduledBatch, result: "ForwardResult",
                            sampled: Optional["SamplerOutput"]) -> list[SequenceUpdate]:
         """Fold one step's results in: advance computed tokens, register full blocks in the prefix
-        cache, append each sampled token, detokenize, decide finishing, free finished sequences.
+        cache, append each sampled token (advancing its grammar matcher), detokenize, decide finishing
+        (grammar terminated included), free finished sequences.
         Returns one update per sequence that produced something the caller must see."""
         bm = self.block_manager
         for seq, n in batch.entries:
@@ -267,7 +268,10 @@ class Scheduler:
             seq.cumulative_logprob += sampled.sampled_logprobs[row]
         stop_str = seq.detokenizer.append([token]) if seq.detokenizer is not None else None
         num_out = seq.num_output_tokens
-        if num_out >= params.min_tokens:
+        # A constrained sequence ends when its grammar does (or, never expected, refuses the token).
+        if seq.grammar is not None and (not seq.grammar.accept_token(token) or seq.grammar.is_terminated()):
+            seq.finish_reason = "stop"
+        elif num_out >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop_token_ids and token in params.stop_token_ids:

@@ -42,6 +42,7 @@ class Sequence:
         self.generator: Any = None         # torch.Generator of a seeded request
         self.detokenizer: Any = None       # IncrementalDetokenizer (params.detokenize)
         self.cumulative_logprob: Optional[float] = None   # not None: logprobs were requested
+        self.grammar: Any = None           # GrammarMatcher of a structured-outputs request
         # Prompt positions whose logprobs were emitted (the leading None counts): a recompute
         # after preemption must not emit them twice.
         self.num_prompt_logprobs_emitted = 0

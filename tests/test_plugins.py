@@ -55,7 +55,9 @@ def test_builtins_come_through_their_entry_point_groups():
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
         discovery.model_architectures())
     assert "gguf" in discovery.quantization_methods()
-    assert discovery.tool_parsers() == {} and discovery.reasoning_parsers() == {} and discovery.grammar_backends() == {}
+    assert set(discovery.tool_parsers()) == {"hermes", "llama3_json", "mistral", "pythonic"}
+    assert set(discovery.reasoning_parsers()) == {"qwen3", "deepseek_r1"}
+    assert set(discovery.grammar_backends()) == {"xgrammar"}
 
 
 @pytest.mark.skipif(ACCELERATOR_HERE, reason="an accelerator platform is available here")

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from ..sampling_params import SamplingParams
+from .structured import apply_grammar_masks
 
 _GREEDY_EPS = 1e-5
 # top_p-only rows are sampled among this many top candidates when these hold top_p of the mass.
@@ -54,6 +55,7 @@ class SamplingRow:
     output_token_ids: list[int]             # generated so far by this sequence
     generator: Optional[torch.Generator]    # the request's own generator when params.seed is set
     eos_token_ids: tuple[int, ...] = ()     # suppressed (with stop_token_ids) while output < min_tokens
+    grammar: Optional[object] = None        # a GrammarMatcher: structured outputs mask the row (structured.py)
 
 
 @dataclass
@@ -81,12 +83,10 @@ class Sampler:
             return SamplerOutput([], [], [])
         if logits.dtype != torch.float32:
             logits = logits.float()
-        vocab = logits.shape[1]
+        logits, vocab = apply_grammar_masks(logits, rows), logits.shape[1]
 
         # Classify rows (one pass of cheap attribute checks).
-        greedy_idx: list[int] = []
-        random_idx: list[int] = []
-        lp_idx: list[int] = []
+        greedy_idx, random_idx, lp_idx = [], [], []   # type: list[int], list[int], list[int]
         needs_processing = False
         for i, row in enumerate(rows):
             p = row.params

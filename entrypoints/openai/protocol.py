@@ -50,6 +50,8 @@ class _SamplingFields(_Base):
     spaces_between_special_tokens: Optional[bool] = None
     priority: Optional[int] = 0
     return_tokens_as_token_ids: Optional[bool] = None
+    # vLLM's structured outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -38,6 +38,16 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     group.add_argument("--engine-startup-timeout", type=float, default=None,
                        help="give up if the engine has not loaded the model after this many seconds")
     group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)   # module:callable, for tests
+    tools = parser.add_argument_group("tool calls and reasoning")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="read tool calls from the output of chat requests with tools and tool_choice "
+                            "'auto' (needs --tool-call-parser)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the tool-call format of the model: a registered tool parser (built-in: hermes, "
+                            "llama3_json, mistral, pythonic; `tokenmill plugins` lists all)")
+    tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split the model's reasoning into reasoning_content: a registered reasoning "
+                            "parser (built-in: qwen3, deepseek_r1)")
     parser.set_defaults(func=run)
     return parser
 
@@ -47,6 +57,19 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
     env = os.environ.get(API_KEY_ENV, "")
     keys += [k.strip() for k in env.split(",") if k.strip()]
     return list(dict.fromkeys(keys))
+
+
+def check_parser_args(args: argparse.Namespace) -> None:
+    """Refuse (SystemExit, before the engine starts) unknown parser names and auto tool choice
+    without a parser."""
+    from .chat_output import parser_class
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    try:
+        parser_class("tool_parser", getattr(args, "tool_call_parser", None))
+        parser_class("reasoning_parser", getattr(args, "reasoning_parser", None))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _server_class() -> type:
@@ -96,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import ServerSettings, create_app
     from .engine_client import EngineClient
 
+    check_parser_args(args)
     kwargs = engine_kwargs(args)
     names = args.served_model_name or []
     if names:
@@ -128,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
             logger.info("API key required (%d key%s)", len(keys), "" if len(keys) == 1 else "s")
         settings = ServerSettings(served_model_names=names or [info.model_name], api_keys=keys,
                                   max_waiting_requests=args.max_waiting_requests,
-                                  max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port)
+                                  max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port,
+                                  tool_call_parser=args.tool_call_parser,
+                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                  reasoning_parser=args.reasoning_parser)
         app = create_app(client, settings)
         # uvicorn's own deadline is a backstop: the app aborts what is left after --shutdown-timeout itself.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=max(log_level, logging.INFO),

@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from ...core.outputs import RequestDelta
 from ...core.sampling_params import SamplingParams
 from . import errors as E
+from .chat_output import parser_class
 from .engine_client import EngineClient, EngineDeadError
 from .http import SSE_DONE, ClientGone, SSEResponse, race_disconnect, sse
 from .metrics import ServerMetrics
@@ -43,6 +44,9 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int = 8000
+    tool_call_parser: Optional[str] = None      # a registered tool parser's name (chat_output.py)
+    enable_auto_tool_choice: bool = False       # tool_choice "auto" reads tool calls with it
+    reasoning_parser: Optional[str] = None
 
 
 class ServerState:
@@ -59,6 +63,9 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
+        # The parser classes (ValueError for an unknown name); one instance per choice of a request.
+        self.tool_parser_cls = parser_class("tool_parser", settings.tool_call_parser)
+        self.reasoning_parser_cls = parser_class("reasoning_parser", settings.reasoning_parser)
 
     async def drain(self, timeout: float) -> None:
         """On shutdown: let in-flight requests finish for `timeout` seconds, then abort the rest (their
@@ -102,7 +109,7 @@ def build_params(req: Any, logprobs: Optional[int], rename: Optional[Mapping[str
     for name in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
                  "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                 "logit_bias"):
+                 "logit_bias", "structured_outputs"):
         value = getattr(req, name, None)
         if value is not None:
             kw[name] = value
@@ -260,8 +267,8 @@ async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any],
                  opening: Callable[[], list[dict[str, Any]]], absorb: Absorb, shape: Callable[..., dict[str, Any]],
                  usage: Callable[[], dict[str, Any]]) -> Response:
     """Streamed: an SSE response of chunks `{**head, "choices": [choice]}` — first the `opening()` choices,
-    then `shape(*event)` for every event `absorb` reports, then (with include_usage) a usage chunk, then
-    [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
+    then `shape(*event)` for every event `absorb` reports (None: no chunk), then (with include_usage) a usage
+    chunk, then [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
     the client disconnects."""
     try:   # wait for the first output, so that errors the engine finds are still a plain HTTP error
         first = await race_disconnect(request, group.next())
@@ -285,7 +292,9 @@ async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any],
             item = first
             while item is not None:
                 for event in absorb(*item):
-                    yield chunk(shape(*event))
+                    choice = shape(*event)
+                    if choice is not None:      # None: nothing a client would see (text held back)
+                        yield chunk(choice)
                 item = await group.next()
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage()})

@@ -2,6 +2,7 @@
 then one engine request with `n` choices; logprobs in the chat format."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Optional
@@ -11,10 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ...core.outputs import RequestDelta
 from . import errors as E
+from .chat_output import ChatChoiceOutput
 from .http import read_json
 from .protocol import ChatCompletionRequest, parse
 from .serving import (LOGPROB_FLOOR, MAX_LOGPROBS, Choice, Event, RequestGroup, ServerState, build_params, clamp,
                       collect, stream, usage)
+from .structured import from_response_format
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -39,6 +42,8 @@ def chat_prompt(tokenizer: Any, messages: list[Any], tools: Any = None, add_gene
             d["role"] = "system"
         if d.get("role") not in _ROLES:
             raise E.bad_request(f"Invalid role {d.get('role')!r}.", f"messages.[{i}].role", "invalid_value")
+        if d.get("tool_calls"):
+            _template_tool_calls(d)
         msgs.append(d)
     extra = dict(kwargs or {})
     if tools:
@@ -53,6 +58,32 @@ def chat_prompt(tokenizer: Any, messages: list[Any], tools: Any = None, add_gene
         raise E.internal_error("The chat template did not produce text.")
     # The template already wrote the special tokens (BOS included) it wants.
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_tool_calls(d: dict[str, Any]) -> None:
+    """An assistant message that called tools, as chat templates expect it: content "" rather than
+    missing (it may be null), and each call's arguments as an object (the API sends a JSON string)."""
+    d.setdefault("content", "")
+    for call in d["tool_calls"] if isinstance(d["tool_calls"], list) else []:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass        # left as the text it is
+
+
+def choice_outputs(state: ServerState, req: ChatCompletionRequest, n: int) -> Optional[list[ChatChoiceOutput]]:
+    """One ChatChoiceOutput per choice when a parser reads the output (None: plain text). Tool calls are
+    read for tool_choice "auto" (or unset) with tools, when the server enables automatic tool choice."""
+    tools = state.tool_parser_cls if (req.tools and req.tool_choice in (None, "auto")
+                                      and state.settings.enable_auto_tool_choice) else None
+    reasoning = state.reasoning_parser_cls
+    if tools is None and reasoning is None:
+        return None
+    return [ChatChoiceOutput(tools(state.tokenizer) if tools else None,
+                             reasoning(state.tokenizer) if reasoning else None,
+                             parallel_tool_calls=req.parallel_tool_calls is not False) for _ in range(n)]
 
 
 class _LogprobsFormatter:
@@ -81,9 +112,9 @@ class _LogprobsFormatter:
 
 def _check(req: ChatCompletionRequest) -> Optional[int]:
     """The parameters this server does not support or bounds; returns top_logprobs' k (None: no logprobs)."""
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise E.bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format",
-                            "unsupported_parameter")
+    if from_response_format(req.response_format) is not None and req.structured_outputs is not None:
+        raise E.bad_request("Set response_format or structured_outputs, not both.", "structured_outputs",
+                            "invalid_value")
     if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
         raise E.bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool-call parser).",
                             "tool_choice", "unsupported_parameter")
@@ -94,6 +125,36 @@ def _check(req: ChatCompletionRequest) -> Optional[int]:
             raise E.bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
                                 "top_logprobs", "invalid_value")
     return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def finished_choice(index: int, ch: Choice, output: Optional[ChatChoiceOutput], logprobs: bool) -> dict[str, Any]:
+    """One choice of a finished (not streamed) response."""
+    text = "".join(ch.text)
+    message = output.message(text) if output is not None else {"role": "assistant", "content": text}
+    finish = output.finish_reason(ch.finish_reason) if output is not None else ch.finish_reason
+    return {"index": index, "message": message, "logprobs": {"content": ch.lp or []} if logprobs else None,
+            "finish_reason": finish, "stop_reason": ch.stop_reason}
+
+
+def streamed_choice(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any,
+                    output: Optional[ChatChoiceOutput]) -> Optional[dict[str, Any]]:
+    """One choice of a streamed chunk: the new text as a delta of the assistant message (read by the
+    parsers when `output` is set: reasoning_content, content, tool_calls). None: nothing to send yet."""
+    if output is None:
+        delta: dict[str, Any] = {"content": text} if text else {}
+    else:
+        delta = output.feed(text)
+        if finish is not None:
+            for key, value in output.finish().items():
+                delta[key] = delta.get(key, type(value)()) + value
+            finish = output.finish_reason(finish)
+        if not delta and lp is None and finish is None:
+            return None
+    choice: dict[str, Any] = {"index": index, "delta": delta,
+                              "logprobs": {"content": lp} if lp is not None else None, "finish_reason": finish}
+    if finish is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
@@ -109,7 +170,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         rename["max_tokens"] = "max_completion_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # None: until the context is full (the engine knows how far that is).
-    params = build_params(req, k, rename, max_tokens=requested)
+    extra: dict[str, Any] = {}
+    structured = from_response_format(req.response_format)
+    if structured is not None:     # the engine's errors about it name response_format
+        extra["structured_outputs"], rename["structured_outputs"] = structured, "response_format"
+    params = build_params(req, k, rename, max_tokens=requested, **extra)
     n = req.n if req.n is not None else 1
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -117,6 +182,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     fmt = _LogprobsFormatter(state, k, bool(req.return_tokens_as_token_ids))
     created = int(time.time())
     choices = [Choice() for _ in range(n)]
+    outputs = choice_outputs(state, req, n)
 
     def absorb(_sub: int, d: RequestDelta) -> list[Event]:
         """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
@@ -145,20 +211,13 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     if not req.stream:
         if not await collect(request, group, absorb):
             return Response(status_code=499)
-        out = [{"index": j, "message": {"role": "assistant", "content": "".join(ch.text)},
-                "logprobs": {"content": ch.lp or []} if k is not None else None,
-                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        out = [finished_choice(j, ch, outputs[j] if outputs else None, k is not None)
                for j, ch in enumerate(choices)]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                              "choices": out, "usage": total_usage()})
 
-    def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> dict[str, Any]:
-        """One choice of a streamed chunk: the new text as a delta of the assistant message."""
-        choice: dict[str, Any] = {"index": index, "delta": {"content": text} if text else {},
-                                  "logprobs": {"content": lp} if lp is not None else None, "finish_reason": finish}
-        if finish is not None:
-            choice["stop_reason"] = stop_reason
-        return choice
+    def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> Optional[dict[str, Any]]:
+        return streamed_choice(index, text, lp, finish, stop_reason, outputs[index] if outputs else None)
 
     def opening() -> list[dict[str, Any]]:
         """The stream opens with an empty assistant message per choice."""

@@ -8,7 +8,9 @@ length, explicit max_tokens, KV pool), and per-step `RequestDelta`s (new token i
 partial stop string held back, new logprobs; metrics on the finishing delta). It "generates" token
 ids from a seeded RNG (greedy: a fixed function of the prompt), one token per step per sequence,
 with the scheduler's shape: at most max_num_seqs running, the rest waiting; KV blocks counted per
-sequence. TOKENMILL_FAKE_STEP_S sets the time one step takes (default 0.01 s).
+sequence. TOKENMILL_FAKE_STEP_S sets the time one step takes (default 0.01 s). TOKENMILL_FAKE_SCRIPT
+makes every sequence "generate" that text instead (its token ids, then EOS): how the server tests get
+tool calls and reasoning out of it.
 """
 from __future__ import annotations
 
@@ -79,6 +81,8 @@ class FakeEngine:
         self.block_size = config.cache.block_size
         self.num_kv_blocks = 4096
         self.step_s = float(os.environ.get("TOKENMILL_FAKE_STEP_S", "0.01"))
+        script = os.environ.get("TOKENMILL_FAKE_SCRIPT")
+        self.script = None if script is None else list(self.tokenizer.encode(script, add_special_tokens=False))
         self.eos_token_id = self.tokenizer.eos_token_id
         self.requests: dict[str, _Req] = {}     # unfinished, waiting or running (the engine's one table)
         self.waiting: list[_Req] = []
@@ -197,7 +201,9 @@ class FakeEngine:
     def _next_token(self, r: _Req, seq: _Seq) -> CompletionDelta:
         p = r.params
         n_out = len(seq.token_ids)
-        if p.greedy:
+        if self.script is not None:
+            tid = self.script[n_out] if n_out < len(self.script) else self.eos_token_id
+        elif p.greedy:
             tid = 1000 + (sum(r.ids[-3:]) * 31 + n_out * 7919) % 8000
         else:
             tid = seq.rng.randrange(1000, 9000)

@@ -1,0 +1,248 @@
+"""The built-in tool-call parsers. Each reads the whole text so far into a `ToolView` (base.py);
+the finished and the streamed extraction are the same reading, so they agree."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any, Optional
+
+from .base import IncrementalToolParser, PartialCall, ToolView, partial_tag_len
+from .json_scan import CallScan, scan_call, skip_ws
+
+
+def _call(scan: CallScan, text: str) -> PartialCall:
+    return PartialCall(scan.name, scan.arguments(text), scan.end is not None)
+
+
+def _valid(scan: CallScan, text: str, start: int) -> bool:
+    """A complete call object that is JSON with a string name."""
+    if scan.end is None or scan.invalid or scan.name is None:
+        return False
+    try:
+        obj = json.loads(text[start:scan.end])
+        json.loads(scan.arguments(text))
+    except ValueError:
+        return False
+    return isinstance(obj, dict)
+
+
+class HermesToolParser(IncrementalToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, with text around them
+    (Hermes 2/3, Qwen2.5/Qwen3)."""
+    start_tag, end_tag = "<tool_call>", "</tool_call>"
+
+    def view(self, text: str, final: bool) -> ToolView:
+        content: list[str] = []
+        calls: list[PartialCall] = []
+        pos = 0
+        while True:
+            at = text.find(self.start_tag, pos)
+            if at < 0:
+                rest = text[pos:]
+                rest = rest if final else rest[:len(rest) - partial_tag_len(rest, self.start_tag)]
+                if not calls or rest.strip():     # whitespace alone between or after calls is no content
+                    content.append(rest)
+                break
+            if not calls or text[pos:at].strip():
+                content.append(text[pos:at])
+            i = skip_ws(text, at + len(self.start_tag))
+            if i >= len(text):
+                break
+            if text[i] != "{":
+                return ToolView("".join(content), calls, failed=True)
+            scan = scan_call(text, i)
+            if scan.invalid or (final and not _valid(scan, text, i)):
+                return ToolView("".join(content), calls, failed=True)
+            calls.append(_call(scan, text))
+            if scan.end is None:
+                break
+            close = text.find(self.end_tag, scan.end)
+            if close < 0:
+                if final and text[scan.end:].strip():
+                    return ToolView("".join(content), calls, failed=True)
+                break
+            pos = close + len(self.end_tag)
+        return ToolView("".join(content), calls)
+
+
+class _JsonObjectsParser(IncrementalToolParser):
+    """Call objects after a marker (or at the very start), separated by `sep`, optionally in a list."""
+    marker = ""
+    sep = ","
+    in_list = False
+
+    def _start(self, text: str, final: bool) -> tuple[str, Optional[int]]:
+        """(content before the calls, where the calls start; None: no calls, or not known yet)."""
+        at = text.find(self.marker)
+        if at >= 0:
+            return text[:at], at + len(self.marker)
+        stripped = text.lstrip()
+        opener = "[" if self.in_list else "{"
+        if stripped.startswith(opener):
+            return "", len(text) - len(stripped)
+        if not final and (not stripped or (partial_tag_len(stripped, self.marker) == len(stripped))):
+            return "", None           # could still become the marker or the opener
+        held = 0 if final else partial_tag_len(text, self.marker)
+        return text[:len(text) - held], None
+
+    def view(self, text: str, final: bool) -> ToolView:
+        content, i = self._start(text, final)
+        calls: list[PartialCall] = []
+        if i is None:
+            return ToolView(content, calls)
+        i = skip_ws(text, i)
+        if self.in_list:
+            if i >= len(text):
+                return ToolView(content, calls, failed=final)
+            if text[i] != "[":
+                return ToolView(content, calls, failed=True)
+            i = skip_ws(text, i + 1)
+        n = len(text)
+        while i < n:
+            if text[i] != "{":
+                return ToolView(content, calls, failed=True)
+            scan = scan_call(text, i)
+            if scan.invalid or (final and not _valid(scan, text, i)):
+                return ToolView(content, calls, failed=True)
+            calls.append(_call(scan, text))
+            if scan.end is None:
+                return ToolView(content, calls)
+            i = skip_ws(text, scan.end)
+            if i < n and text[i] == self.sep:
+                i = skip_ws(text, i + 1)
+                continue
+            if self.in_list and i < n and text[i] == "]":
+                i += 1
+            break
+        else:
+            return ToolView(content, calls, failed=final)
+        if text[i:].strip():          # text after the calls
+            return ToolView(content, calls, failed=True)
+        return ToolView(content, calls)
+
+
+class Llama3JsonToolParser(_JsonObjectsParser):
+    """Llama 3.1/3.2 JSON tool calls: `<|python_tag|>` (optional), then `{"name": ..., "parameters":
+    {...}}` objects separated by `;`. Text that does not start with them is content."""
+    marker = "<|python_tag|>"
+    sep = ";"
+
+
+class MistralToolParser(_JsonObjectsParser):
+    """Mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`. The marker is a
+    special token, dropped unless skip_special_tokens is false, so a list at the start of the output
+    without it is read as tool calls too."""
+    marker = "[TOOL_CALLS]"
+    in_list = True
+
+
+# ------------------------------------------------------------------------------------------ pythonic
+_IDENT = re.compile(r"[A-Za-z_][\w.]*")
+_KWARG = re.compile(r"([A-Za-z_]\w*)\s*=\s*")
+_PARTIAL_KWARG = re.compile(r"[A-Za-z_]\w*\s*")
+_MAYBE_START = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?")     # what a call list looks like before its '('
+_START = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+
+
+def _py_value_end(text: str, i: int) -> Optional[int]:
+    """Where the Python literal at text[i] ends (at a top-level ',' or ')'); None: not yet."""
+    depth, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "\"'":
+            triple = text.startswith(ch * 3, i)
+            quote = ch * 3 if triple else ch
+            j = i + len(quote)
+            while True:
+                if j >= n:
+                    return None
+                if text[j] == "\\":
+                    j += 2
+                    continue
+                if text.startswith(quote, j):
+                    break
+                j += 1
+            i = j + len(quote)
+            continue
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return i if ch == ")" else None
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return i
+        i += 1
+    return None
+
+
+def _json_arg(key: str, value: Any) -> str:
+    return f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}"
+
+
+class PythonicToolParser(IncrementalToolParser):
+    """A Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]` (Llama 3.2
+    and 4's pythonic format, ToolACE); the whole output is the list, or it is all content."""
+
+    def view(self, text: str, final: bool) -> ToolView:
+        stripped = text.lstrip()
+        i = len(text) - len(stripped)
+        if not _START.match(stripped):
+            m = _MAYBE_START.match(stripped)
+            if not final and (not stripped or (m is not None and m.end() == len(stripped))):
+                return ToolView("", [])
+            return ToolView(text, [])
+        calls: list[PartialCall] = []
+        n = len(text)
+        i = skip_ws(text, i + 1)
+        while i < n:
+            m = _IDENT.match(text, i)
+            if m is None:
+                return ToolView("", calls, failed=True)
+            j = skip_ws(text, m.end())
+            if j >= n:
+                break
+            if text[j] != "(":
+                return ToolView("", calls, failed=True)
+            call = PartialCall(m.group(0), "{")     # reported once it is seen to take keyword arguments
+            parts: list[str] = []
+            j = skip_ws(text, j + 1)
+            while j < n:
+                if text[j] == ")":
+                    call.done = True
+                    j += 1
+                    break
+                kw = _KWARG.match(text, j)
+                if kw is None:
+                    if _PARTIAL_KWARG.fullmatch(text, j):
+                        return ToolView("", calls, failed=final)
+                    return ToolView("", calls, failed=True)     # a positional argument
+                if not calls or calls[-1] is not call:
+                    calls.append(call)
+                end = _py_value_end(text, kw.end())
+                if end is None:
+                    break
+                try:
+                    value = ast.literal_eval(text[kw.end():end].strip())
+                except (ValueError, SyntaxError):
+                    return ToolView("", calls, failed=True)
+                parts.append(_json_arg(kw.group(1), value))
+                call.arguments = "{" + ", ".join(parts)
+                j = skip_ws(text, end + 1 if text[end] == "," else end)
+            if not call.done:
+                return ToolView("", calls, failed=final)
+            if not calls or calls[-1] is not call:
+                calls.append(call)
+            call.arguments += "}"
+            i = skip_ws(text, j)
+            if i < n and text[i] == ",":
+                i = skip_ws(text, i + 1)
+                continue
+            if i < n and text[i] == "]":
+                if text[i + 1:].strip():
+                    return ToolView("", calls, failed=True)
+                return ToolView("", calls)
+            if i < n:
+                return ToolView("", calls, failed=True)
+        return ToolView("", calls, failed=final)
