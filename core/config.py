@@ -35,6 +35,7 @@ class ModelConfig:
     quantization: Optional[str] = None   # None: as stored (GGUF blocks are dequantized at load)
     trust_remote_code: bool = False
     generation_config: str = "auto"      # "auto": apply generation_config.json defaults; "none": ignore
+    structured_outputs_backend: str = "auto"   # grammar backend: auto (= xgrammar) | xgrammar | guidance | plugin
 
 
 @dataclass
@@ -116,6 +117,9 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.max_model_len is not None and self.model.max_model_len <= 0:
             raise ValueError("max_model_len must be positive")
+        if self.model.structured_outputs_backend != "auto":   # "auto" needs no plugin discovery here
+            from .structured_outputs import resolve_backend_name
+            resolve_backend_name(self.model.structured_outputs_backend)
         if self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1:
             raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 are not supported yet")
 

@@ -73,7 +73,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler()
         self.vocab_size = int(getattr(bundle.hf_config, "vocab_size", 0) or len(self.tokenizer))
-        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            config.model.structured_outputs_backend)
         self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
         # The one table of requests in flight in this process.
         self.requests: dict[str, Request] = {}
@@ -222,7 +223,7 @@ class LLMEngine:
             num_running=len(s.running_request_ids), num_waiting=len(s.waiting_request_ids),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens)
+            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, **self.structured.counters())
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:

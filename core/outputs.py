@@ -80,6 +80,8 @@ class EngineStats:
     num_preemptions: int = 0            # cumulative
     prompt_tokens: int = 0              # cumulative computed prompt tokens
     generation_tokens: int = 0          # cumulative generated tokens
+    num_constrained_requests: int = 0   # cumulative requests with structured outputs
+    grammar_compile_seconds: float = 0.0  # cumulative time compiling their grammars
 
 
 @dataclass

@@ -36,6 +36,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--generation-config", default="auto", choices=["auto", "none"])
+    parser.add_argument("--structured-outputs-backend", default="auto",
+                        help="grammar backend for structured outputs: auto (= xgrammar), xgrammar, guidance "
+                             "(llguidance) or a plugin's name")
     parser.set_defaults(enable_prefix_caching=True, enable_chunked_prefill=True)
 
 
@@ -44,7 +47,7 @@ ENGINE_ARG_NAMES = (
     "long_prefill_token_threshold", "enable_chunked_prefill", "block_size", "kv_cache_memory",
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
-    "generation_config",
+    "generation_config", "structured_outputs_backend",
 )
 
 

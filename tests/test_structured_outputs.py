@@ -1,6 +1,6 @@
-"""Structured outputs (issue 11): grammar-constrained decoding with the built-in xgrammar backend.
+"""Structured outputs (issue 11): grammar-constrained decoding with the built-in backends.
 
-Offline through `LLM` on the default model (constrained and free rows in one batch, greedy and
+Offline through `LLM` on the default model, once per grammar backend (xgrammar, guidance) (constrained and free rows in one batch, greedy and
 random), and through `tokenmill serve` with the official openai SDK (response_format,
 `parse(response_format=PydanticModel)`, vLLM's structured_outputs body field, 400s).
 """
@@ -44,10 +44,16 @@ NUMBER: /[0-9]{1,3}/
 '''
 
 
-@pytest.fixture(scope="module")
-def llm():
+BACKENDS = ["xgrammar", "guidance"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(request):
     from tokenmill import LLM
-    return LLM(max_model_len=512, kv_cache_memory=64 << 20)
+    llm = LLM(max_model_len=512, kv_cache_memory=64 << 20, structured_outputs_backend=request.param)
+    assert llm.engine.structured.backend_name == request.param
+    yield llm
+    del llm
 
 
 def _arith_ok(text: str) -> bool:
@@ -213,6 +219,39 @@ def test_compile_cache(llm):
     assert backend.compile("regex", "ab+") is a and backend.compile("regex", "ab*") is not a
 
 
+def test_constrained_request_stats(llm):
+    before = llm.engine.stats()
+    so = StructuredOutputsParams(regex=r"[a-z]{3}\d")
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=8, temperature=0, structured_outputs=so),
+                        use_tqdm=False)
+    assert all(re.fullmatch(r"[a-z]{3}\d", o.outputs[0].text) for o in outs)
+    llm.generate(["c"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)   # not counted
+    after = llm.engine.stats()
+    assert after.num_constrained_requests == before.num_constrained_requests + 2
+    assert after.grammar_compile_seconds > before.grammar_compile_seconds
+
+
+def test_backend_choice_and_unknown_backend():
+    from tokenmill.core.config import EngineConfig
+    from tokenmill.core.structured_outputs import StructuredOutputs, resolve_backend_name
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_kwargs
+    assert resolve_backend_name("auto") == "xgrammar"
+    assert resolve_backend_name("guidance") == "guidance"
+    assert EngineConfig.from_kwargs().model.structured_outputs_backend == "auto"
+    assert EngineConfig.from_kwargs(structured_outputs_backend="guidance").model.structured_outputs_backend == "guidance"
+    for make in (lambda: EngineConfig.from_kwargs(structured_outputs_backend="nope"),
+                 lambda: StructuredOutputs(None, 0, (), backend="nope")):
+        with pytest.raises(ValueError, match="structured_outputs_backend") as e:
+            make()
+        assert "guidance" in str(e.value) and "xgrammar" in str(e.value) and "'nope'" in str(e.value)
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]))["structured_outputs_backend"] == "auto"
+    args = parser.parse_args(["--structured-outputs-backend", "guidance"])
+    assert engine_kwargs(args)["structured_outputs_backend"] == "guidance"
+
+
 # ==================================================================== the server
 MODEL = "smol"
 SERVER_ARGS = ["--device", "cpu", "--served-model-name", MODEL, "--max-model-len", "512",
@@ -282,3 +321,17 @@ def test_bad_structured_output_is_400(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=8,
                                   extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
     assert e.value.body["param"] == "structured_outputs"
+
+
+def test_structured_output_metrics(client, server):
+    import httpx
+    client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
+                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r'(tokenmill:(?:structured_output_requests|grammar_compile_seconds)_total)\{[^}]*\} (\S+)', line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    assert values["tokenmill:structured_output_requests_total"] >= 1, text
+    assert values["tokenmill:grammar_compile_seconds_total"] > 0, text

@@ -19,7 +19,7 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 _COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                   "generation_tokens")
+                   "generation_tokens", "num_constrained_requests", "grammar_compile_seconds")
 
 
 class ServerMetrics:
@@ -45,6 +45,12 @@ class ServerMetrics:
                                      "Number of prefill tokens processed.", labels, registry=r),
             "generation_tokens": Counter("tokenmill:generation_tokens",
                                          "Number of generation tokens processed.", labels, registry=r),
+            "num_constrained_requests": Counter("tokenmill:structured_output_requests",
+                                                "Requests with structured outputs (grammar-constrained).",
+                                                labels, registry=r),
+            "grammar_compile_seconds": Counter("tokenmill:grammar_compile_seconds",
+                                               "Time spent compiling structured-output grammars, in seconds.",
+                                               labels, registry=r),
         }
         self.request_success = Counter("tokenmill:request_success",
                                        "Count of successfully finished requests.",
@@ -87,7 +93,7 @@ class ServerMetrics:
         self._waiting.set(stats.get("num_waiting", 0))
         self._kv.set(stats.get("kv_cache_usage", 0.0))
         for name in _COUNTER_FIELDS:
-            value = int(stats.get(name, 0) or 0)
+            value = stats.get(name, 0) or 0     # ints, and float seconds
             delta = value - self._last[name]
             if delta > 0:
                 self._counters[name].inc(delta)

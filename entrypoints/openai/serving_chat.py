@@ -18,6 +18,7 @@ from .protocol import ChatCompletionRequest, parse
 from .serving import (LOGPROB_FLOOR, MAX_LOGPROBS, Choice, Event, RequestGroup, ServerState, build_params, clamp,
                       collect, stream, usage)
 from .structured import from_response_format
+from .tool_choice import ForcedToolParser, forced_name, forced_schema, is_forced
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -75,7 +76,12 @@ def _template_tool_calls(d: dict[str, Any]) -> None:
 
 def choice_outputs(state: ServerState, req: ChatCompletionRequest, n: int) -> Optional[list[ChatChoiceOutput]]:
     """One ChatChoiceOutput per choice when a parser reads the output (None: plain text). Tool calls are
-    read for tool_choice "auto" (or unset) with tools, when the server enables automatic tool choice."""
+    read for tool_choice "auto" (or unset) with tools, when the server enables automatic tool choice,
+    and always for a forced tool_choice ("required" or named: read from the constrained JSON)."""
+    if is_forced(req.tool_choice):
+        name = forced_name(req.tool_choice)
+        return [ChatChoiceOutput(ForcedToolParser(state.tokenizer, name), None,
+                                 parallel_tool_calls=req.parallel_tool_calls is not False) for _ in range(n)]
     tools = state.tool_parser_cls if (req.tools and req.tool_choice in (None, "auto")
                                       and state.settings.enable_auto_tool_choice) else None
     reasoning = state.reasoning_parser_cls
@@ -110,14 +116,23 @@ class _LogprobsFormatter:
         return content
 
 
-def _check(req: ChatCompletionRequest) -> Optional[int]:
+def _check(req: ChatCompletionRequest, enable_auto_tool_choice: bool = False) -> Optional[int]:
     """The parameters this server does not support or bounds; returns top_logprobs' k (None: no logprobs)."""
     if from_response_format(req.response_format) is not None and req.structured_outputs is not None:
         raise E.bad_request("Set response_format or structured_outputs, not both.", "structured_outputs",
                             "invalid_value")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise E.bad_request("tool_choice other than 'none' or 'auto' is not supported (no tool-call parser).",
-                            "tool_choice", "unsupported_parameter")
+    if is_forced(req.tool_choice):
+        if from_response_format(req.response_format) is not None or req.structured_outputs is not None:
+            raise E.bad_request("tool_choice 'required' or a named function cannot be combined with "
+                                "response_format or structured_outputs.", "tool_choice", "invalid_value")
+    elif req.tool_choice == "auto" and not enable_auto_tool_choice:
+        raise E.bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                            "set: start the server with --enable-auto-tool-choice --tool-call-parser NAME.",
+                            "tool_choice", "invalid_value")
+    elif req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise E.bad_request(f"tool_choice must be 'none', 'auto', 'required' or "
+                            f"{{'type': 'function', 'function': {{'name': NAME}}}}, got {req.tool_choice!r}.",
+                            "tool_choice", "invalid_value")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise E.bad_request("top_logprobs requires logprobs to be true.", "top_logprobs", "invalid_value")
@@ -161,7 +176,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     arrival = time.monotonic()
     req = parse(ChatCompletionRequest, await read_json(request))
     model = state.check_model(req.model)
-    k = _check(req)
+    k = _check(req, state.settings.enable_auto_tool_choice)
     ids = chat_prompt(state.tokenizer, req.messages, req.tools, bool(req.add_generation_prompt),
                       bool(req.continue_final_message), req.chat_template_kwargs)
     # The engine's names for what this route calls "messages" and (when used) max_completion_tokens.
@@ -174,6 +189,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     structured = from_response_format(req.response_format)
     if structured is not None:     # the engine's errors about it name response_format
         extra["structured_outputs"], rename["structured_outputs"] = structured, "response_format"
+    elif is_forced(req.tool_choice):   # the tools' schemas, enforced; a schema the backend refuses names tools
+        schema = forced_schema(req.tools, req.tool_choice, req.parallel_tool_calls)
+        extra["structured_outputs"], rename["structured_outputs"] = {"json": schema}, "tools"
     params = build_params(req, k, rename, max_tokens=requested, **extra)
     n = req.n if req.n is not None else 1
     state.admit(1)
