@@ -57,7 +57,7 @@ def test_builtins_come_through_their_entry_point_groups():
     assert "gguf" in discovery.quantization_methods()
     assert set(discovery.tool_parsers()) == {"hermes", "llama3_json", "mistral", "pythonic"}
     assert set(discovery.reasoning_parsers()) == {"qwen3", "deepseek_r1"}
-    assert set(discovery.grammar_backends()) == {"xgrammar"}
+    assert set(discovery.grammar_backends()) == {"xgrammar", "guidance"}
 
 
 @pytest.mark.skipif(ACCELERATOR_HERE, reason="an accelerator platform is available here")
