@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -36,6 +37,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     generation_config: str = "auto"      # "auto": apply generation_config.json defaults; "none": ignore
     structured_outputs_backend: str = "auto"   # grammar backend: auto (= xgrammar) | xgrammar | guidance | plugin
+    reasoning_parser: Optional[str] = None     # structured outputs constrain the answer after the reasoning
 
 
 @dataclass
@@ -73,6 +75,60 @@ class DeviceConfig:
     num_threads: Optional[int] = None     # CPU intra-op threads; None = all cores
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` (core/spec_decode.py); `method` None: no speculation."""
+    method: Optional[str] = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4            # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 2            # ngram: the shortest
+    model: Optional[str] = None           # draft_model: the drafter's checkpoint
+    # No drafts in a step with more decoding sequences than this (None: always draft). Batched
+    # decode on a CPU is compute-bound, so verifying drafts costs more than it saves there.
+    disable_by_batch_size: Optional[int] = 4
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig":
+        """From a dict or its JSON text (the CLI's form); ValueError naming speculative_config."""
+        if isinstance(value, cls):
+            return value
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method is None:
+            return
+        if self.method == "draft_model":
+            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config num_speculative_tokens must be an integer in 1..16")
+        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config disable_by_batch_size must be >= 1 (or null: always)")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -80,6 +136,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -88,6 +145,9 @@ class EngineConfig:
         sections = [config.model, config.cache, config.scheduler, config.parallel, config.device]
         # `device` is both a section and its one important field: accept the flat name.
         for key, value in kwargs.items():
+            if key == "speculative_config":
+                config.speculative = SpeculativeConfig.parse(value)
+                continue
             for section in sections:
                 if key in {f.name for f in dataclasses.fields(section)}:
                     setattr(section, key, value)

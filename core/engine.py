@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 import torch
@@ -28,6 +30,7 @@ from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SequenceUpdate
 from .sequence import Sequence
+from .spec_decode import make_speculator
 from .structured_outputs import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -75,6 +78,10 @@ class LLMEngine:
         self.vocab_size = int(getattr(bundle.hf_config, "vocab_size", 0) or len(self.tokenizer))
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.model.structured_outputs_backend)
+        self.reasoning_parser = _reasoning_parser(config.model.reasoning_parser, self.tokenizer)
+        self.speculator = make_speculator(config.speculative, self.max_model_len, self.vocab_size)
+        # Requests whose grammar is still compiling: in `requests`, not yet in the scheduler.
+        self._awaiting_grammar: dict[str, Future] = {}
         self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
         # The one table of requests in flight in this process.
         self.requests: dict[str, Request] = {}
@@ -171,13 +178,15 @@ class LLMEngine:
         self._check_length(len(token_ids), params, max_tokens_must_fit)
         if self.generation_defaults:
             params = params.with_generation_defaults(self.generation_defaults)
-        so = params.structured_outputs   # compiled here, synchronously (cached by the backend)
-        grammars = self.structured.matchers(so, params.n) if so is not None else [None] * params.n
+        compiled = None
+        if params.structured_outputs is not None:   # a cache hit is ready now; else it compiles meanwhile
+            compiled = self.structured.submit(params.structured_outputs)
+            if compiled.done():
+                compiled = compiled.result()        # a refused spec raises here, before anything ran
         now = time.time() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seq = Sequence(request_id, i, token_ids, params, now, priority)
-            seq.grammar = grammars[i]
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.platform.device()).manual_seed(params.seed + i)
             if params.detokenize:
@@ -188,10 +197,58 @@ class LLMEngine:
             if params.logprobs is not None:
                 seq.cumulative_logprob = 0.0
             seqs.append(seq)
-        self.requests[request_id] = Request(request_id, seqs, RequestMetrics(arrival_time=now))
-        for seq in seqs:
+        request = self.requests[request_id] = Request(request_id, seqs, RequestMetrics(arrival_time=now))
+        if isinstance(compiled, Future):
+            self._awaiting_grammar[request_id] = compiled
+        else:
+            self._start(request, compiled)
+        self._event("arrived", request)
+
+    def _start(self, request: Request, compiled: Any) -> None:
+        """Hand the request's sequences to the scheduler, each with its grammar matcher if constrained."""
+        matchers = self.structured.matchers(compiled, len(request.seqs)) if compiled is not None else None
+        gate = None
+        if matchers is not None and self.reasoning_parser is not None and request.seqs[0].detokenizer is not None:
+            gate = self._reasoning_gate(request.seqs[0].prompt_token_ids)
+        for i, seq in enumerate(request.seqs):
+            if matchers is not None:
+                if gate is None:
+                    seq.grammar = matchers[i]
+                else:
+                    seq.pending_grammar, seq.grammar_gate = matchers[i], gate
             self.scheduler.add(seq)
-        self._event("arrived", self.requests[request_id])
+
+    def _reasoning_gate(self, prompt_token_ids: list[int]) -> Any:
+        """None when the reasoning parser says the answer starts at once; else a test on the output
+        text that turns True once the reasoning part is over (the constraint applies after it)."""
+        parser = self.reasoning_parser
+        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        if parser.reasoning_ended(prompt_text, ""):
+            return None
+        return lambda output_text: parser.reasoning_ended(prompt_text, output_text)
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Start the requests whose grammar is compiled; end those whose grammar was refused. With
+        nothing else to run, wait (briefly) for a compile rather than spin."""
+        if not self.scheduler.waiting and not self.scheduler.running:
+            wait_futures(list(self._awaiting_grammar.values()), timeout=0.05, return_when=FIRST_COMPLETED)
+        refused = []
+        for request_id, future in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            request = self.requests[request_id]
+            error = future.exception()
+            if error is None:
+                self._start(request, future.result())
+                continue
+            del self.requests[request_id]
+            request.metrics.finished_time = time.time()
+            for seq in request.seqs:
+                seq.finish_reason = "abort"
+            self._event("aborted", request)
+            refused.append(RequestDelta(request_id, [], finished=True, error=error))
+        return refused
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Drop requests wherever they are; nothing more is emitted for them."""
@@ -200,6 +257,12 @@ class LLMEngine:
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is None:
+                continue
+            if self._awaiting_grammar.pop(request_id, None) is not None:   # never reached the scheduler
+                for seq in request.seqs:
+                    seq.finish_reason = "abort"
+                request.metrics.finished_time = time.time()
+                self._event("aborted", request)
                 continue
             for seq in request.seqs:
                 if not seq.is_finished:
@@ -220,19 +283,24 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         return EngineStats(
-            num_running=len(s.running_request_ids), num_waiting=len(s.waiting_request_ids),
+            num_running=len(s.running_request_ids),
+            num_waiting=len(s.waiting_request_ids) + len(self._awaiting_grammar),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, **self.structured.counters())
+            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, **self.structured.counters(),
+            **(self.speculator.counters() if self.speculator is not None else {}))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:
+        refused = self._admit_compiled() if self._awaiting_grammar else []
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.waiting and not self.scheduler.running:
                 # Cannot happen with add_request's pool check; never spin silently if it does.
                 raise RuntimeError("the scheduler cannot admit any waiting request")
-            return []
+            return refused
         now = time.time()
         for seq in batch.first_scheduled:
             request = self.requests[seq.request_id]
@@ -246,12 +314,22 @@ class LLMEngine:
         sampled = None
         if result.sampled_seqs:
             eos = self.eos_token_ids
-            rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
-                                output_token_ids=s.output_token_ids, generator=s.generator,
-                                eos_token_ids=() if s.params.ignore_eos or s.grammar else eos, grammar=s.grammar)
-                    for s in result.sampled_seqs]
+            rows: list[SamplingRow] = []
+            for s, num_rows in zip(result.sampled_seqs, result.rows_per_seq()):
+                if num_rows > 1:     # verifying drafts: one row per position (core/spec_decode.py)
+                    rows.extend(self.speculator.sampling_rows(s, eos))
+                    continue
+                rows.append(SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                                        output_token_ids=s.output_token_ids, generator=s.generator,
+                                        eos_token_ids=() if s.params.ignore_eos or s.grammar else eos,
+                                        grammar=s.grammar))
             sampled = self.sampler(result.logits, rows)
-        return self._request_deltas(self.scheduler.update_from_output(batch, result, sampled))
+        updates = self.scheduler.update_from_output(batch, result, sampled)
+        if self.scheduler.verified:
+            for num_drafts, num_accepted in self.scheduler.verified:
+                self.speculator.record(num_drafts, num_accepted)
+            self.scheduler.verified.clear()
+        return refused + self._request_deltas(updates)
 
     def _request_deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
         """Group the sequences' updates by request; close the requests that finished."""
@@ -292,6 +370,17 @@ class LLMEngine:
                                 num_prompt_tokens=head.num_prompt_tokens,
                                 num_output_tokens=sum(s.num_output_tokens for s in request.seqs),
                                 finish_reason=head.finish_reason))
+
+
+def _reasoning_parser(name: Optional[str], tokenizer: Any) -> Any:
+    """The reasoning parser structured outputs wait for (ModelConfig.reasoning_parser), or None."""
+    if not name:
+        return None
+    found = discovery.reasoning_parsers()
+    if name not in found:
+        raise ValueError(f"reasoning_parser {name!r} is not a registered reasoning parser; known: "
+                         f"{', '.join(sorted(found)) or '(none)'}")
+    return found[name](tokenizer)
 
 
 def _stem(path: str) -> str:

@@ -5,23 +5,28 @@ chosen with `--structured-outputs-backend guidance`. The same kinds as xgrammar;
 turned into an llguidance grammar, checked once by building a prototype matcher (the compile cache
 keeps it), and every sequence gets a cheap deep copy of it. `llguidance.torch` fills tokenmill's
 packed int32 bitmask (plugins/parsers.py) in place -- the same layout as xgrammar's.
+
+A structural tag (core/structural_tag.py: free text in which each trigger starts a begin / JSON
+schema / end structure) becomes a Lark grammar: `start: (tag_0 | ...)* TAG_TEXT`, each trigger a
+lazy lexeme (free text up to the trigger's first occurrence) followed by the alternatives of its
+structures (`"rest of begin" %json {schema} "end"`); a trigger that is a special token of the
+tokenizer is matched as that token. xgrammar's `format` form has no llguidance equivalent beyond
+the shape the legacy form has (triggered_tags of JSON-schema tags): anything else is refused.
 """
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
 from tokenmill.plugins.parsers import CompiledGrammar, GrammarBackend, GrammarMatcher
 
+from . import structural_tag
 from .errors import RequestError
 
-_CACHE_SIZE = 256
 _WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar",
-         "choice": "choice"}
+         "choice": "choice", "structural_tag": "structural tag"}
 
 
 class GuidanceMatcher(GrammarMatcher):
@@ -40,6 +45,14 @@ class GuidanceMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self._m.is_stopped())
 
+    supports_rollback = True
+
+    def rollback(self, num_tokens: int) -> None:
+        self._m.rollback(num_tokens)
+
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        return int(self._m.validate_tokens(list(token_ids)))   # consuming a refused token would be an error state
+
 
 class GuidanceCompiled(CompiledGrammar):
     def __init__(self, prototype: Any) -> None:
@@ -50,7 +63,7 @@ class GuidanceCompiled(CompiledGrammar):
 
 
 class GuidanceBackend(GrammarBackend):
-    supported_kinds = ("json", "json_object", "regex", "choice", "grammar")
+    supported_kinds = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
     def __init__(self, tokenizer: Any, vocab_size: int = 0, stop_token_ids: Sequence[int] = ()) -> None:
         super().__init__(tokenizer, vocab_size, stop_token_ids)
@@ -60,25 +73,17 @@ class GuidanceBackend(GrammarBackend):
         eos = list(stop_token_ids) or None
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size or None, eos_token=eos)
         self.vocab_size = self._tokenizer.vocab_size
-        self._cache: OrderedDict[tuple[str, str], GuidanceCompiled] = OrderedDict()
-        self._lock = threading.Lock()
 
     def compile(self, kind: str, spec: str) -> GuidanceCompiled:
-        key = (kind, spec)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
         matcher = self._llg.LLMatcher(self._tokenizer, self._grammar(kind, spec), log_level=0)
         if matcher.is_error():
             raise _refuse(f"invalid {_WHAT.get(kind, kind)} in structured_outputs: {_first_line(matcher.get_error())}")
-        compiled = GuidanceCompiled(matcher)
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
+        # llguidance builds its lexer lazily, at the first mask (seconds for a large grammar); the
+        # copies share what it built, so build it here, on the compile thread, not in a step.
+        from llguidance.torch import fill_next_token_bitmask
+        scratch = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        fill_next_token_bitmask(matcher.deep_copy(), scratch, 0)
+        return GuidanceCompiled(matcher)
 
     def _grammar(self, kind: str, spec: str) -> str:
         """The llguidance grammar text for the constraint (RequestError when it cannot be built)."""
@@ -100,12 +105,59 @@ class GuidanceBackend(GrammarBackend):
             if kind == "grammar":
                 # EBNF (GBNF) uses `::=`; anything else is taken as a Lark grammar (as with xgrammar).
                 return self._llg.grammar_from("gbnf" if "::=" in spec else "lark", spec)
+            if kind == "structural_tag":
+                return self._llg.grammar_from("lark", self._structural_tag_lark(spec))
         except RequestError:
             raise
         except Exception as e:   # llguidance reports bad input as ValueError (and the like)
             raise _refuse(f"invalid {_WHAT.get(kind, kind)} in structured_outputs: "
                           f"{_first_line(str(e)) or type(e).__name__}") from None
         raise _refuse(f"structured output kind {kind!r} is not supported by the guidance backend")
+
+    def _structural_tag_lark(self, spec: str) -> str:
+        value = structural_tag.load(spec)
+        tags = (structural_tag.legacy_tags(value) if structural_tag.is_legacy(value)
+                else structural_tag.format_tags(value, "guidance"))
+        by_trigger: dict[str, list[structural_tag.Tag]] = {}
+        for tag in tags:
+            by_trigger.setdefault(tag.trigger, []).append(tag)
+        lines = ["%llguidance {}",
+                 f"start: ({' | '.join(f'tag_{i}' for i in range(len(by_trigger)))})* TAG_TEXT",
+                 r"TAG_TEXT: /(.|\n)*/"]
+        for i, (trigger, group) in enumerate(by_trigger.items()):
+            bodies = " | ".join(f"{_lit(t.begin[len(trigger):])} %json {json.dumps(t.schema)} {_alts(t.ends)}"
+                                for t in group)
+            special = self._special_token(trigger)
+            if special is not None:   # text never spells a special token: it ends the free text itself
+                lines.append(f"tag_{i}: TAG_TEXT <[{special}]> ({bodies})")
+            else:                     # lazy: the free text ends at the trigger's first occurrence
+                lines.append(f"tag_{i}_trig[lazy]: TAG_TEXT {_lit(trigger)}")
+                lines.append(f"tag_{i}: tag_{i}_trig ({bodies})")
+        return "\n".join(lines) + "\n"
+
+    def _special_token(self, text: str) -> Any:
+        """The id of the special token spelled `text`, or None."""
+        try:
+            tid = self.tokenizer.convert_tokens_to_ids(text)
+            if (isinstance(tid, int) and 0 <= tid < self.vocab_size
+                    and self.tokenizer.convert_ids_to_tokens(tid) == text and self._tokenizer.is_special_token(tid)):
+                return tid
+        except Exception:   # a tokenizer without these lookups: the trigger is text
+            pass
+        return None
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal matching `text` (nothing for an empty one)."""
+    return json.dumps(text) if text else ""
+
+
+def _alts(texts: tuple[str, ...]) -> str:
+    """One of the strings (any may be empty)."""
+    if len(texts) == 1:
+        return _lit(texts[0])
+    alts = " | ".join(_lit(t) for t in texts if t)
+    return f"({alts})" + ("?" if "" in texts else "") if alts else ""
 
 
 def _first_line(text: str) -> str:

@@ -27,6 +27,11 @@ class ForwardResult:
     sampled_seqs: list[Sequence]
     # (sequence, first position of the chunk, logits [chunk_len, vocab]) for prompt_logprobs requests
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    # Rows of `logits` per sampled sequence when any verified drafts (1 + its drafts); None: one each.
+    num_rows: Optional[list[int]] = None
+
+    def rows_per_seq(self) -> list[int]:
+        return self.num_rows if self.num_rows is not None else [1] * len(self.sampled_seqs)
 
 
 class ModelRunner:
@@ -124,19 +129,29 @@ class ModelRunner:
         sampled: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, chunk start pos, first row, count
         row = 0
+        num_rows: list[int] = []
         for seq, n in batch.entries:
             start = seq.num_computed_tokens
             end = start + n
             table = seq.block_table
-            input_ids.extend(seq.token_ids[start:end])
+            drafts = seq.spec_token_ids
+            if drafts:                         # its last token and the drafts: logits at each
+                input_ids.extend(seq.token_ids[start:])
+                input_ids.extend(drafts)
+                sample_rows.extend(range(row, row + n))
+                sampled.append(seq)
+                num_rows.append(n)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens:          # caught up: this step yields its next token
+            if end == seq.num_tokens and not drafts:   # caught up: this step yields its next token
                 sample_rows.append(row + n - 1)
                 sampled.append(seq)
+                num_rows.append(1)
             # Choices of one request share the prompt: its logprobs come from the first one.
             if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 prompt_rows.append((seq, start, row, min(end, seq.num_prompt_tokens - 1) - start))
@@ -153,4 +168,5 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, index)).float()
         prompt_logits = [(seq, start, self.model.compute_logits(hidden[first:first + count]).float())
                          for seq, start, first, count in prompt_rows if count > 0]
-        return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits)
+        return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits,
+                             num_rows=num_rows if len(sample_rows) != len(sampled) else None)

@@ -8,7 +8,7 @@ the server streams them as they come.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 # One generated position's logprobs: token id -> logprob, the sampled token always included.
@@ -82,6 +82,12 @@ class EngineStats:
     generation_tokens: int = 0          # cumulative generated tokens
     num_constrained_requests: int = 0   # cumulative requests with structured outputs
     grammar_compile_seconds: float = 0.0  # cumulative time compiling their grammars
+    # Speculative decoding (cumulative): verifications, draft tokens proposed / accepted, and per
+    # draft position how often it was accepted (acceptance rate at j = that / spec_num_drafts).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +111,9 @@ class RequestDelta:
     num_cached_tokens: int = 0                         # prompt tokens found in the prefix cache
     prompt_logprobs: Optional[list[Optional[LogprobsEntry]]] = None   # new prompt positions (when requested)
     metrics: Optional[RequestMetrics] = None           # on the finishing delta
+    # A request refused after add_request accepted it (its grammar failed to compile): it ends
+    # here, finished, with no outputs; the error is what add_request would have raised.
+    error: Optional[Exception] = None
 
 
 class OutputAccumulator:

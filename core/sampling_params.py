@@ -6,19 +6,29 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Union
 
-_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to one of: a JSON schema (`json`, a dict or its JSON text), any JSON
-    object (`json_object=True`), a regex, one of a list of strings (`choice`) or an EBNF / Lark
-    grammar (`grammar`). Exactly one may be set (ValueError naming `structured_outputs`)."""
+    object (`json_object=True`), a regex, one of a list of strings (`choice`), an EBNF / Lark
+    grammar (`grammar`) or a structural tag (`structural_tag`, a dict or its JSON text). Exactly
+    one may be set (ValueError naming `structured_outputs`).
+
+    A structural tag (vLLM's and xgrammar's) constrains only parts of free text, e.g. tool calls:
+    in the legacy form `{"type": "structural_tag", "structures": [{"begin": "<function=f>",
+    "schema": {...}, "end": "</function>"}], "triggers": ["<function="]}` the text is free until a
+    trigger appears; then it must go on as one of the structures whose `begin` starts with that
+    trigger, a JSON value of its `schema`, and its `end`; then free text again. xgrammar's newer
+    form `{"type": "structural_tag", "format": {...}}` (its format language, e.g. "triggered_tags")
+    is passed to the backend as it is. The backends check the contents (core/structural_tag.py)."""
     json: Optional[Union[dict, str]] = None
     json_object: bool = False
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
+    structural_tag: Optional[Union[dict, str]] = None
 
     def __post_init__(self) -> None:
         def bad(message: str) -> ValueError:
@@ -42,6 +52,28 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise bad("choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
+        if self.structural_tag is not None:
+            self._check_structural_tag(bad)
+
+    def _check_structural_tag(self, bad: Any) -> None:
+        """The structural tag's shape (its contents are the backends' to check)."""
+        import json as _json
+        value = self.structural_tag
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError as e:
+                raise bad(f"structural_tag is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise bad(f"structural_tag must be an object (or its JSON text), got {type(value).__name__}")
+        if value.get("type", "structural_tag") != "structural_tag":
+            raise bad(f"structural_tag's type must be 'structural_tag', got {value.get('type')!r}")
+        legacy, new = "structures" in value or "triggers" in value, "format" in value
+        if legacy == new:
+            raise bad("structural_tag needs either 'structures' and 'triggers' (the legacy form) or "
+                      "'format', " + ("not both" if legacy else "got neither"))
+        if legacy and not (isinstance(value.get("structures"), list) and isinstance(value.get("triggers"), list)):
+            raise bad("structural_tag's legacy form needs 'structures' and 'triggers', both lists")
 
     @property
     def kind(self) -> str:
@@ -49,13 +81,17 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as one string (a cache key): JSON text for json / choice."""
+        """The constraint as one string (a cache key): JSON text for json / choice / structural_tag
+        (for structural_tag canonical: the same object as a dict or as any JSON text, one key)."""
         import json as _json
         kind = self.kind
         if kind == "json":
             return self.json if isinstance(self.json, str) else _json.dumps(self.json)   # key order is property order
         if kind == "choice":
             return _json.dumps(self.choice)
+        if kind == "structural_tag":
+            value = self.structural_tag
+            return _json.dumps(_json.loads(value) if isinstance(value, str) else value)   # key order kept
         return "" if kind == "json_object" else getattr(self, kind)
 
     @classmethod

@@ -71,6 +71,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.verified: list[tuple[int, int]] = []   # (drafts, accepted) per verification; the engine drains it
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -129,6 +130,12 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if threshold:
                 num_new = min(num_new, threshold)
+            if seq.spec_token_ids:   # drafts ride along when the budget and free blocks allow
+                drafts = seq.spec_token_ids[:max(0, budget - num_new)]
+                if drafts and not self.block_manager.can_allocate(seq, num_new + len(drafts)):
+                    drafts = []
+                seq.spec_token_ids = drafts
+                num_new += len(drafts)
             if not self._make_room(seq, num_new, batch, scheduled_ids):
                 continue   # seq itself was preempted
             self.block_manager.allocate(seq, num_new)
@@ -172,6 +179,9 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
+        for seq in ordered:            # drafts only ride with their sequence: preempted or left out, void
+            if seq.spec_token_ids and seq.seq_id not in scheduled_ids or seq.status != SequenceStatus.RUNNING:
+                seq.spec_token_ids = []
         # Attention backends take query-length-1 rows (decodes) first.
         decodes = [e for e in entries if e[1] == 1]
         batch.entries = decodes + [e for e in entries if e[1] != 1]
@@ -236,6 +246,8 @@ class Scheduler:
         Returns one update per sequence that produced something the caller must see."""
         bm = self.block_manager
         for seq, n in batch.entries:
+            if seq.spec_token_ids:
+                continue           # counted once its drafts are verified (_append_verified)
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
@@ -248,14 +260,46 @@ class Scheduler:
             if new:
                 seq.num_prompt_logprobs_emitted += len(new)
                 updates[seq.seq_id] = SequenceUpdate(seq, prompt_logprobs=new)
-        for row, seq in enumerate(result.sampled_seqs):
-            delta = self._append_token(seq, sampled, row)
+        row = 0
+        for seq, num_rows in zip(result.sampled_seqs, result.rows_per_seq()):
+            if num_rows == 1:
+                delta = self._append_token(seq, sampled, row)
+            else:
+                delta = self._append_verified(seq, sampled, row, num_rows)
+            row += num_rows
             update = updates.get(seq.seq_id)
             if update is None:
                 updates[seq.seq_id] = SequenceUpdate(seq, delta=delta)
             else:
                 update.delta = delta
         return list(updates.values())
+
+    def _append_verified(self, seq: Sequence, sampled: "SamplerOutput", row: int, num_rows: int) -> CompletionDelta:
+        """A sequence that verified drafts: append the sampled tokens while they agree with the
+        drafts (the first that does not, or the bonus token after the last draft, ends the step)."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        merged: Optional[CompletionDelta] = None
+        accepted = 0
+        for j in range(num_rows):
+            delta = self._append_token(seq, sampled, row + j)
+            if merged is None:
+                merged = delta
+            else:
+                merged.token_ids += delta.token_ids
+                merged.text += delta.text
+                if delta.logprobs is not None and merged.logprobs is not None:
+                    merged.logprobs += delta.logprobs
+                merged.cumulative_logprob = delta.cumulative_logprob
+                merged.finish_reason, merged.stop_reason = delta.finish_reason, delta.stop_reason
+            if seq.is_finished or j == len(drafts) or delta.token_ids[0] != drafts[j]:
+                break
+            accepted += 1
+        self.verified.append((len(drafts), accepted))
+        if not seq.is_finished:   # the accepted drafts' KV is in place; the newest token's is not
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.block_manager.cache_full_blocks(seq)
+        assert merged is not None
+        return merged
 
     def _append_token(self, seq: Sequence, sampled: "SamplerOutput", row: int) -> CompletionDelta:
         params = seq.params
@@ -285,6 +329,9 @@ class Scheduler:
         finished = seq.finish_reason is not None
         if finished:
             self.finish(seq)
+        elif seq.grammar_gate is not None and seq.grammar_gate(seq.detokenizer.text):
+            # The reasoning is over: the constraint holds from the next token on.
+            seq.grammar, seq.pending_grammar, seq.grammar_gate = seq.pending_grammar, None, None
         text = seq.detokenizer.output_text(finished=finished, delta=True) if seq.detokenizer is not None else ""
         return CompletionDelta(index=seq.index, token_ids=[token], text=text, logprobs=logprobs,
                                cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,

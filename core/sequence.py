@@ -43,6 +43,12 @@ class Sequence:
         self.detokenizer: Any = None       # IncrementalDetokenizer (params.detokenize)
         self.cumulative_logprob: Optional[float] = None   # not None: logprobs were requested
         self.grammar: Any = None           # GrammarMatcher of a structured-outputs request
+        # With a reasoning parser: the matcher waits here until the output leaves the reasoning
+        # part (grammar_gate(output_text) is True), then becomes `grammar` from the next token on.
+        self.pending_grammar: Any = None
+        self.grammar_gate: Any = None
+        # Draft tokens to verify this step (speculative decoding); not part of token_ids.
+        self.spec_token_ids: list[int] = []
         # Prompt positions whose logprobs were emitted (the leading None counts): a recompute
         # after preemption must not emit them twice.
         self.num_prompt_logprobs_emitted = 0

@@ -1,20 +1,28 @@
 """Structured outputs in the engine: the grammar backend, bound lazily, and one matcher per sequence.
 
-add_request compiles the request's constraint (cached by the backend, so repeats are free) and
-gives each of its sequences a matcher; the sampler masks those rows' logits with the matchers'
-bitmasks (sampling/structured.py) and the scheduler advances them with each sampled token and
-finishes a sequence once its grammar is terminated. Compilation is synchronous, in add_request.
+add_request hands the request's constraint to `submit`: a constraint in the backend's compile cache
+(keyed by kind and spec) is ready at once; any other compiles on a worker thread, and the request
+waits (the engine keeps it out of the scheduler) while the other requests go on stepping (the
+built-in backends compile in native code; a 20-field schema takes 3-16 ms here, see
+docs/benchmarks.md). A spec the backend refuses ends
+its request with the backend's RequestError (the server's 400: nothing was streamed yet). Once
+compiled, each sequence of the request gets a matcher; the sampler masks those rows' logits with
+the matchers' bitmasks (sampling/structured.py) and the scheduler advances them with each sampled
+token and finishes a sequence once its grammar is terminated.
 
 The backend is `structured_outputs_backend` (ModelConfig; `--structured-outputs-backend`): a name in
 the `tokenmill.grammar_backends` entry-point group -- built in: `xgrammar` and `guidance`
 (llguidance) -- or `auto`, which is xgrammar (guidance where xgrammar is not installed). There is no
 per-request fallback: a constraint the chosen backend refuses is a 400. Counters for the metrics:
-`num_constrained_requests` and `grammar_compile_seconds` (cumulative, cache hits included).
+`num_constrained_requests` and `grammar_compile_seconds` (cumulative time spent compiling; a
+cache hit costs none).
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 from tokenmill.plugins import discovery
@@ -49,6 +57,8 @@ class StructuredOutputs:
         self.stop_token_ids = tuple(stop_token_ids)
         self.backend_name = resolve_backend_name(backend)
         self._backend: Optional[Any] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()     # the counters are also written by the compile thread
         self.num_constrained_requests = 0
         self.grammar_compile_seconds = 0.0
 
@@ -71,17 +81,41 @@ class StructuredOutputs:
         return {"num_constrained_requests": self.num_constrained_requests,
                 "grammar_compile_seconds": self.grammar_compile_seconds}
 
-    def matchers(self, params: StructuredOutputsParams, n: int) -> list[Any]:
-        """n fresh matchers for the constraint; RequestError (param structured_outputs) if it is bad."""
-        kind = params.kind
+    def submit(self, params: StructuredOutputsParams) -> "Future[Any]":
+        """The request's compiled constraint, as a future: done at once on a compile-cache hit,
+        else compiled on the worker thread. RequestError (param structured_outputs) at once for a
+        kind the backend does not support, from the future for a spec it refuses."""
+        kind, spec = params.kind, params.spec
         backend = self.backend
         if backend.supported_kinds and kind not in backend.supported_kinds:
             raise RequestError(f"the grammar backend {self.backend_name!r} does not support {kind!r}",
                                "structured_outputs", "invalid_value")
+        with self._lock:
+            self.num_constrained_requests += 1
+        hit = backend.cached(kind, spec)
+        if hit is not None:
+            done: Future[Any] = Future()
+            done.set_result(hit)
+            return done
+        if self._executor is None:
+            # One thread: compiles queue behind each other rather than compete for the 2 cores
+            # the model runs on (xgrammar parallelises one compile itself).
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-grammar")
+        return self._executor.submit(self._compile, kind, spec)
+
+    def _compile(self, kind: str, spec: str) -> Any:
         start = time.perf_counter()
         try:
-            compiled = backend.compile(kind, params.spec)
+            return self.backend.compiled(kind, spec)
         finally:
-            self.grammar_compile_seconds += time.perf_counter() - start
-        self.num_constrained_requests += 1
+            with self._lock:
+                self.grammar_compile_seconds += time.perf_counter() - start
+
+    def matchers(self, compiled: Any, n: int) -> list[Any]:
+        """n fresh matchers of a compiled constraint (one per sequence of the request)."""
         return [compiled.new_matcher() for _ in range(n)]
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

@@ -39,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--structured-outputs-backend", default="auto",
                         help="grammar backend for structured outputs: auto (= xgrammar), xgrammar, guidance "
                              "(llguidance) or a plugin's name")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\'')
     parser.set_defaults(enable_prefix_caching=True, enable_chunked_prefill=True)
 
 
@@ -47,7 +50,7 @@ ENGINE_ARG_NAMES = (
     "long_prefill_token_threshold", "enable_chunked_prefill", "block_size", "kv_cache_memory",
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
-    "generation_config", "structured_outputs_backend",
+    "generation_config", "structured_outputs_backend", "speculative_config",
 )
 
 

@@ -90,6 +90,8 @@ class LLM:
         try:
             while engine.has_unfinished_requests():
                 for delta in engine.step():
+                    if delta.error is not None:   # refused after acceptance (its grammar did not compile)
+                        raise delta.error
                     accumulator = accumulators.get(delta.request_id)
                     if accumulator is None:
                         continue

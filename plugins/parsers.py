@@ -14,6 +14,8 @@ the end; the built-in parsers (entrypoints/openai/parsers/) stream as the text a
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Sequence
 
@@ -85,6 +87,13 @@ class ReasoningParser:
         holds everything back until the end."""
         return None
 
+    def reasoning_ended(self, prompt_text: str, output_text: str) -> bool:
+        """For structured outputs (the engine's `reasoning_parser`): True once the prompt and the
+        output so far are past the reasoning part, so that a constraint applies from the next token
+        on -- with an empty output, whether the answer starts at once. The default: no reasoning
+        part is known, the constraint applies from the first token."""
+        return True
+
 
 class GrammarMatcher:
     """The state of one constrained sequence (one per sequence: n > 1 gets n of them).
@@ -105,6 +114,18 @@ class GrammarMatcher:
         """True once the grammar is complete (its stop token accepted): the sequence finishes."""
         raise NotImplementedError
 
+    # Speculative decoding verifies draft tokens against the grammar and must undo them: a matcher
+    # that can sets `supports_rollback` and implements both methods (else its sequences get no drafts).
+    supports_rollback: ClassVar[bool] = False
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+        raise NotImplementedError
+
+    def count_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from here (state unchanged)."""
+        raise NotImplementedError
+
 
 class CompiledGrammar:
     """A compiled constraint (what `GrammarBackend.compile` returns, cached by the backend)."""
@@ -117,16 +138,51 @@ class GrammarBackend:
     """Compiles a structured-output request into matchers the sampler masks logits with.
 
     Constructed once per engine with the model's tokenizer, the model's vocabulary size (the
-    logits' width, which may exceed the tokenizer's) and its stop (EOS) token ids. `compile` gets
-    a kind (one of `supported_kinds`: "json" schema text, "json_object", "regex", "choice" as a JSON
-    list of strings, "grammar" EBNF or Lark) and its spec; a bad spec raises
+    logits' width, which may exceed the tokenizer's) and its stop (EOS) token ids. A backend
+    implements `compile`: it gets a kind (one of `supported_kinds`: "json" schema text,
+    "json_object", "regex", "choice" as a JSON list of strings, "grammar" EBNF or Lark,
+    "structural_tag" as JSON text) and its spec; a bad spec raises
     tokenmill.core.errors.RequestError (param "structured_outputs"), never compiles to no constraint.
+
+    The engine calls `compiled` -- `compile` behind an LRU cache keyed by (kind, spec), shared by
+    every backend -- from a worker thread, so a slow compile never stalls the engine step; `cached`
+    tells it without compiling whether a request can start at once.
     """
     api_version: ClassVar[int] = GRAMMAR_BACKEND_API_VERSION
     supported_kinds: ClassVar[tuple[str, ...]] = ()     # e.g. ("json", "regex")
+    cache_size: ClassVar[int] = 256                     # compiled constraints kept (least recently used go)
 
     def __init__(self, tokenizer: Any, vocab_size: int = 0, stop_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
 
     def compile(self, kind: str, spec: str) -> CompiledGrammar:
         raise NotImplementedError
+
+    def cached(self, kind: str, spec: str) -> Optional[CompiledGrammar]:
+        """The compiled constraint if the cache has it (refreshing it), else None."""
+        cache, lock = self._compile_cache()
+        with lock:
+            hit = cache.get((kind, spec))
+            if hit is not None:
+                cache.move_to_end((kind, spec))
+            return hit
+
+    def compiled(self, kind: str, spec: str) -> CompiledGrammar:
+        """`compile`, cached: a repeated (kind, spec) is compiled once. Thread-safe."""
+        hit = self.cached(kind, spec)
+        if hit is not None:
+            return hit
+        result = self.compile(kind, spec)
+        cache, lock = self._compile_cache()
+        with lock:
+            cache[(kind, spec)] = result
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)
+        return result
+
+    def _compile_cache(self) -> tuple["OrderedDict[tuple[str, str], CompiledGrammar]", threading.Lock]:
+        # Made on first use so that a subclass's __init__ need not call ours.
+        state = self.__dict__.get("_tokenmill_compile_cache")
+        if state is None:
+            state = self.__dict__.setdefault("_tokenmill_compile_cache", (OrderedDict(), threading.Lock()))
+        return state

@@ -131,6 +131,31 @@ def test_docs_quantization_parsers_model_and_hooks(whole_page, use_plugin_dir):
     assert discovery.reasoning_parsers()["think"](None).extract_reasoning("<think>a</think>b") == ("a", "b")
     assert issubclass(discovery.model_architectures()["MyLlamaForCausalLM"], LlamaForCausalLM)
 
+    class Tokenizer:      # a five-token vocabulary: enough to walk the choice matcher
+        vocab = ["y", "es", "no", "n", "o"]
+
+        def __len__(self):
+            return len(self.vocab) + 1          # + the stop token
+
+        def decode(self, ids):
+            return "".join(self.vocab[i] if i < len(self.vocab) else "" for i in ids)
+
+    backend = discovery.grammar_backends()["choices"](Tokenizer(), 6, [5])
+    matcher = backend.compiled("choice", json.dumps(["yes", "no"])).new_matcher()
+    assert backend.compiled("choice", json.dumps(["yes", "no"])) is backend.cached("choice", json.dumps(["yes", "no"]))
+    bitmask = torch.zeros(1, 1, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    assert [t for t in range(6) if int(bitmask[0, 0]) >> t & 1] == [0, 2, 3]     # y, no, n
+    assert matcher.accept_token(0)
+    matcher.fill_bitmask(bitmask, 0)
+    assert [t for t in range(6) if int(bitmask[0, 0]) >> t & 1] == [1]           # es
+    assert matcher.accept_token(1) and not matcher.is_terminated()
+    matcher.fill_bitmask(bitmask, 0)
+    assert [t for t in range(6) if int(bitmask[0, 0]) >> t & 1] == [5]           # the stop token
+    assert matcher.accept_token(5) and matcher.is_terminated()
+    with pytest.raises(ValueError, match="non-empty choice"):
+        backend.compiled("regex", "a+")
+
     report = next(r for r in hooks.hook_reports() if r.name == "myaccel")
     assert report.loaded and report.detail == "hooks: tokenmill_request_event, tokenmill_validate_config"
     with pytest.raises(ValueError, match="MyAccel blocks hold 16 tokens"):
@@ -140,7 +165,7 @@ def test_docs_quantization_parsers_model_and_hooks(whole_page, use_plugin_dir):
     assert FINISHED == [("r9", 3)]
     kinds = {r.kind for r in discovery.extension_reports() if r.package == "tokenmill-myaccel" and r.loaded}
     assert kinds == {"platform", "attention_backend", "quantization_method", "tool_parser", "reasoning_parser",
-                     "model_architecture", "hook"}
+                     "grammar_backend", "model_architecture", "hook"}
 
 
 def test_one_class_platform_serves_over_http(one_class_platform):

@@ -111,17 +111,17 @@ def test_params_validation():
 def test_json_schema_batch_mixed_with_free_rows(llm):
     so = StructuredOutputsParams(json=PERSON)
     prompts, params = [], []
-    for i in range(8):
+    for i in range(50):
         prompts.append(f"Person number {i} as JSON:")
         params.append(SamplingParams(max_tokens=128, structured_outputs=so,
                                      **({"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": i})))
-        if i % 3 == 0:   # unconstrained rows share the batch
+        if i % 3 == 0 and i < 9:   # unconstrained rows share the batch
             prompts.append(f"Tell me a fact number {i}.")
             params.append(SamplingParams(max_tokens=12, temperature=0.7, seed=i, ignore_eos=True))
     outs = llm.generate(prompts, params, use_tqdm=False)
     constrained = [o for o, p in zip(outs, params) if p.structured_outputs is not None]
     free = [o for o, p in zip(outs, params) if p.structured_outputs is None]
-    assert len(constrained) == 8 and len(free) == 3
+    assert len(constrained) == 50 and len(free) == 3
     for o in constrained:
         c = o.outputs[0]
         assert c.finish_reason == "stop", c.text
@@ -215,8 +215,8 @@ def test_bad_constraint_is_refused(llm, so, words):
 
 def test_compile_cache(llm):
     backend = llm.engine.structured.backend
-    a = backend.compile("regex", "ab+")
-    assert backend.compile("regex", "ab+") is a and backend.compile("regex", "ab*") is not a
+    a = backend.compiled("regex", "ab+")
+    assert backend.compiled("regex", "ab+") is a and backend.compiled("regex", "ab*") is not a
 
 
 def test_constrained_request_stats(llm):
@@ -285,6 +285,23 @@ def test_chat_response_format_json_schema(client):
                                          response_format={"type": "json_object"})
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_fifty_concurrent_json_schema_requests_all_validate(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe person number {i} as JSON."}],
+            max_tokens=160, temperature=0.8, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        return out.choices[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        choices = list(pool.map(ask, range(50)))
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), PERSON)   # nested, array, enum, range
 
 
 def test_chat_parse_pydantic(client):

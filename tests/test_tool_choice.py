@@ -42,14 +42,18 @@ def test_schema_and_reader_unit():
     assert got.content is None and [(c.name, json.loads(c.arguments)) for c in got.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})]
     assert p.extract_tool_calls(text[:-5]).tool_calls == []      # cut off: plain content
-    # streamed: each call once its object is complete
+    # streamed character by character: each call's name once complete, then its arguments as they grow,
+    # adding up to exactly the finished calls' arguments
     p, seen, prev = ForcedToolParser(None), [], ""
-    for i in range(0, len(text), 7):
-        cur = text[:i + 7]
+    for i in range(len(text)):
+        cur = text[:i + 1]
         d = p.extract_tool_calls_streaming(prev, cur, cur[len(prev):])
         prev = cur
         seen += d.tool_calls if d else []
-    assert [(t.index, t.name) for t in seen] == [(0, "get_weather"), (1, "get_time")]
+    assert [(t.index, t.name) for t in seen if t.name] == [(0, "get_weather"), (1, "get_time")]
+    assert sum(1 for t in seen if t.index == 0) > 5          # the arguments came in many fragments
+    for i, call in enumerate(got.tool_calls):
+        assert "".join(t.arguments for t in seen if t.index == i) == call.arguments
     # named: the arguments stream as they come
     p, args, prev = ForcedToolParser(None, "get_time"), "", ""
     for piece in ['{"zo', 'ne": ', '"CET"}']:

@@ -258,7 +258,7 @@ class EngineClient:
         for d in deltas:
             sink = sinks.get(d.request_id)
             if sink is not None:
-                sink.put_nowait(d)
+                sink.put_nowait(d if d.error is None else d.error)   # a late refusal ends it like an early one
                 if d.finished:
                     del sinks[d.request_id]
 

@@ -19,7 +19,8 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 _COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                   "generation_tokens", "num_constrained_requests", "grammar_compile_seconds")
+                   "generation_tokens", "num_constrained_requests", "grammar_compile_seconds",
+                   "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 class ServerMetrics:
@@ -51,7 +52,18 @@ class ServerMetrics:
             "grammar_compile_seconds": Counter("tokenmill:grammar_compile_seconds",
                                                "Time spent compiling structured-output grammars, in seconds.",
                                                labels, registry=r),
+            # Speculative decoding, as vLLM's spec_decode metrics.
+            "spec_num_drafts": Counter("tokenmill:spec_decode_num_drafts",
+                                       "Number of spec decoding drafts (verifications).", labels, registry=r),
+            "spec_num_draft_tokens": Counter("tokenmill:spec_decode_num_draft_tokens",
+                                             "Number of draft tokens.", labels, registry=r),
+            "spec_num_accepted_tokens": Counter("tokenmill:spec_decode_num_accepted_tokens",
+                                                "Number of accepted tokens.", labels, registry=r),
         }
+        self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", labels + ["position"],
+                                             registry=r)
+        self._last_per_pos: list[int] = []
         self.request_success = Counter("tokenmill:request_success",
                                        "Count of successfully finished requests.",
                                        labels + ["finished_reason"], registry=r)
@@ -98,6 +110,13 @@ class ServerMetrics:
             if delta > 0:
                 self._counters[name].inc(delta)
             self._last[name] = max(value, self._last[name])
+        per_pos = stats.get("spec_accepted_per_position") or []
+        for j, value in enumerate(per_pos):
+            if j == len(self._last_per_pos):
+                self._last_per_pos.append(0)
+            if value > self._last_per_pos[j]:
+                self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(value - self._last_per_pos[j])
+                self._last_per_pos[j] = value
 
     # ---------------------------------------------------------------- requests
     def request_finished(self, finish_reason: str, ttft: Optional[float], itls: list[float], e2e: float,

@@ -124,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     names = args.served_model_name or []
     if names:
         kwargs["served_model_name"] = names[0]
+    if args.reasoning_parser:   # the engine holds a constraint back until the reasoning is over
+        kwargs["reasoning_parser"] = args.reasoning_parser
     if args.max_waiting_requests is not None:
         if args.max_waiting_requests < 0:
             raise SystemExit("--max-waiting-requests must be >= 0")

@@ -78,13 +78,14 @@ def choice_outputs(state: ServerState, req: ChatCompletionRequest, n: int) -> Op
     """One ChatChoiceOutput per choice when a parser reads the output (None: plain text). Tool calls are
     read for tool_choice "auto" (or unset) with tools, when the server enables automatic tool choice,
     and always for a forced tool_choice ("required" or named: read from the constrained JSON)."""
-    if is_forced(req.tool_choice):
+    reasoning = state.reasoning_parser_cls
+    if is_forced(req.tool_choice):   # the engine holds the tool-call grammar back until the reasoning is over
         name = forced_name(req.tool_choice)
-        return [ChatChoiceOutput(ForcedToolParser(state.tokenizer, name), None,
+        return [ChatChoiceOutput(ForcedToolParser(state.tokenizer, name),
+                                 reasoning(state.tokenizer) if reasoning else None,
                                  parallel_tool_calls=req.parallel_tool_calls is not False) for _ in range(n)]
     tools = state.tool_parser_cls if (req.tools and req.tool_choice in (None, "auto")
                                       and state.settings.enable_auto_tool_choice) else None
-    reasoning = state.reasoning_parser_cls
     if tools is None and reasoning is None:
         return None
     return [ChatChoiceOutput(tools(state.tokenizer) if tools else None,

@@ -1,5 +1,10 @@
 """Structured outputs on the OpenAI routes: chat's `response_format` mapped to the engine's
-`structured_outputs` (vLLM's body field of the same name is read by build_params directly)."""
+`structured_outputs` (vLLM's body field of the same name is read by build_params directly).
+
+`response_format: {"type": "structural_tag", ...}` (vLLM's) is passed whole as the structural tag:
+free text in which each trigger starts a begin / JSON schema / end structure (legacy form:
+`structures` + `triggers`; xgrammar's newer form: `format`), e.g. tool calls in the model's own
+syntax. The engine checks it; its errors name response_format (the chat route renames them)."""
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -29,5 +34,8 @@ def from_response_format(response_format: Optional[dict[str, Any]]) -> Optional[
             raise E.bad_request("response_format.json_schema.schema must be a JSON schema object.",
                                 "response_format", "invalid_value")
         return {"json": schema}
-    raise E.bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema).",
+    if kind == "structural_tag":
+        return {"structural_tag": dict(response_format)}
+    raise E.bad_request(f"response_format type {kind!r} is not supported "
+                        "(text, json_object, json_schema, structural_tag).",
                         "response_format", "invalid_value")

@@ -78,12 +78,13 @@ def forced_schema(tools: Any, tool_choice: Any, parallel_tool_calls: Optional[bo
 class ForcedToolParser(ToolParser):
     """Reads the constrained output of a forced tool choice: the named function's arguments object
     (`name` set), or the "required" array of {"name", "parameters"} objects. Streamed, a named call's
-    arguments go out as they come; a "required" call goes out once its object is complete."""
+    arguments go out as they come; a "required" call's name once it is complete, then its arguments
+as they come."""
 
     def __init__(self, tokenizer: Any, name: Optional[str] = None) -> None:
         super().__init__(tokenizer)
         self.name = name
-        self.sent = 0            # "required": calls sent so far
+        self.sent_args: list[int] = []   # "required": per call begun, how much of its arguments was sent
         self.started = False     # named: the call's opening delta was sent
 
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCalls:
@@ -115,38 +116,75 @@ class ForcedToolParser(ToolParser):
             self.started = True
             return DeltaMessage(tool_calls=[ToolCallDelta(index=0, name=self.name if first else None,
                                                           arguments=piece)])
-        calls = self._complete(current_text)
-        new = calls[self.sent:]
-        if not new:
-            return None
-        deltas = [ToolCallDelta(index=self.sent + i, name=c.name, arguments=c.arguments) for i, c in enumerate(new)]
-        self.sent = len(calls)
-        return DeltaMessage(tool_calls=deltas)
+        deltas = []
+        for i, (name, args, _) in enumerate(_calls_so_far(current_text)):
+            if name is None:
+                break
+            if i == len(self.sent_args):          # a new call: its name (and arguments so far)
+                self.sent_args.append(0)
+                deltas.append(ToolCallDelta(index=i, name=name, arguments=args))
+            elif len(args) > self.sent_args[i]:
+                deltas.append(ToolCallDelta(index=i, arguments=args[self.sent_args[i]:]))
+            self.sent_args[i] = len(args)
+        return DeltaMessage(tool_calls=deltas) if deltas else None
 
     @staticmethod
     def _complete(text: str) -> list[ToolCall]:
-        """The complete {"name", "parameters"} objects at the start of the array `text` (which may
-        still be growing)."""
-        dec = json.JSONDecoder()
-        calls: list[ToolCall] = []
-        pos = _skip_ws(text, 0)
-        if text[pos:pos + 1] != "[":
+        """The complete {"name", "parameters"} objects at the start of the array `text`."""
+        return [ToolCall(name, args) for name, args, done in _calls_so_far(text) if done and name is not None]
+
+
+def _calls_so_far(text: str) -> list[tuple[Optional[str], str, bool]]:
+    """The "required" array's calls in the (possibly still growing) `text`: (name, arguments, done)
+    per object. The arguments are the exact text of the "parameters" value -- while it grows, the
+    part written so far, which only ever grows -- so streamed fragments add up to the finished
+    call's arguments. The name is None until its string is complete."""
+    dec = json.JSONDecoder()
+    calls: list[tuple[Optional[str], str, bool]] = []
+    pos = _skip_ws(text, 0)
+    if text[pos:pos + 1] != "[":
+        return calls
+    pos += 1
+    while True:
+        pos = _skip_ws(text, pos)
+        if text[pos:pos + 1] != "{":
+            return calls
+        name: Optional[str] = None
+        args, pos = "", pos + 1
+        while True:                            # the object's members, in the order written
+            pos = _skip_ws(text, pos)
+            if text[pos:pos + 1] == "}":
+                calls.append((name, args or "{}", True))
+                pos += 1
+                break
+            try:
+                key, pos = dec.raw_decode(text, pos)
+            except ValueError:
+                calls.append((name, args, False))
+                return calls
+            pos = _skip_ws(text, pos)
+            if text[pos:pos + 1] != ":":
+                calls.append((name, args, False))
+                return calls
+            pos = _skip_ws(text, pos + 1)
+            try:
+                value, end = dec.raw_decode(text, pos)
+            except ValueError:                 # the value is still being written
+                if key in ("parameters", "arguments"):
+                    args = text[pos:]
+                calls.append((name, args, False))
+                return calls
+            if key == "name" and isinstance(value, str):
+                name = value
+            elif key in ("parameters", "arguments"):
+                args = text[pos:end]
+            pos = _skip_ws(text, end)
+            if text[pos:pos + 1] == ",":
+                pos += 1
+        pos = _skip_ws(text, pos)
+        if text[pos:pos + 1] != ",":
             return calls
         pos += 1
-        while True:
-            pos = _skip_ws(text, pos)
-            try:
-                obj, end = dec.raw_decode(text, pos)
-            except ValueError:
-                return calls
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return calls
-            args = obj.get("parameters", obj.get("arguments", {}))
-            calls.append(ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)))
-            pos = _skip_ws(text, end)
-            if text[pos:pos + 1] != ",":
-                return calls
-            pos += 1
 
 
 def _skip_ws(text: str, pos: int) -> int:

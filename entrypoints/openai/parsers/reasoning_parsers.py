@@ -25,6 +25,16 @@ class _ThinkParser(IncrementalReasoningParser):
             return reasoning.lstrip(), ""
         return text[body:end].lstrip(), text[end + len(END):].lstrip()
 
+    def reasoning_ended(self, prompt_text: str, output_text: str) -> bool:
+        # Reasoning is open when the prompt's template opened <think> (and did not close it), when
+        # the output opened it, or (R1) always until </think>; a model that answers without
+        # <think> is constrained from its first token.
+        text = prompt_text + output_text
+        opened = text.rfind(START)
+        if opened >= 0:
+            return text.find(END, opened) >= 0
+        return not self.starts_in_reasoning or END in output_text
+
 
 class Qwen3ReasoningParser(_ThinkParser):
     """Qwen3 (and QwQ-style) output: `<think>...</think>answer`; without the opening tag, all answer."""
