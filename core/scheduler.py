@@ -180,7 +180,7 @@ class Scheduler:
             budget -= num_new
 
         for seq in ordered:            # drafts only ride with their sequence: preempted or left out, void
-            if seq.spec_token_ids and seq.seq_id not in scheduled_ids or seq.status != SequenceStatus.RUNNING:
+            if seq.spec_token_ids and (seq.seq_id not in scheduled_ids or seq.status != SequenceStatus.RUNNING):
                 seq.spec_token_ids = []
         # Attention backends take query-length-1 rows (decodes) first.
         decodes = [e for e in entries if e[1] == 1]

@@ -90,8 +90,8 @@ class Speculator:
 
     def propose(self, running: Seq[Sequence]) -> None:
         """Set `spec_token_ids` of the running sequences that decode this step (none when too many)."""
-        for seq in running:
-            seq.spec_token_ids = []
+        # Last step's drafts are gone: verified ones cleared in update_from_output, unscheduled
+        # ones in schedule().
         decodes = [s for s in running if s.num_uncomputed_tokens == 1 and s.num_output_tokens > 0]
         limit_batch = self.config.disable_by_batch_size
         if not decodes or (limit_batch is not None and len(decodes) > limit_batch):

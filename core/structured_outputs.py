@@ -114,8 +114,3 @@ class StructuredOutputs:
     def matchers(self, compiled: Any, n: int) -> list[Any]:
         """n fresh matchers of a compiled constraint (one per sequence of the request)."""
         return [compiled.new_matcher() for _ in range(n)]
-
-    def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
