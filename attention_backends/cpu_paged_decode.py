@@ -15,13 +15,15 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for fn in (lib.paged_decode_f32, lib.paged_decode_bf16kv):
         fn.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64, i64, p]
+        fn.restype = None
+    for fn in (lib.paged_attend_f32, lib.paged_attend_bf16kv):
         fn.restype = None
 
 
@@ -58,3 +60,11 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
        num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks, float(scale),
        int(sliding_window or 0), int(first_pos), lse.data_ptr() if lse is not None else None)
     return (out, lse) if return_lse else out
+
+
+def native_attend_address(kv_dtype: torch.dtype) -> Optional[int]:
+    """The address of the write-and-attend entry (interface.NATIVE_DECODE_ABI) for a cache of
+    `kv_dtype`, None for other dtypes. The caller checks `available()` first."""
+    lib = LIBRARY.require()
+    fn = {torch.float32: lib.paged_attend_f32, torch.bfloat16: lib.paged_attend_bf16kv}.get(kv_dtype)
+    return ctypes.cast(fn, ctypes.c_void_p).value if fn is not None else None

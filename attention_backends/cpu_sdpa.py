@@ -170,6 +170,10 @@ class CpuSdpaAttention(AttentionBackend):
         group = self.num_heads // hkv
         max_len = step["decode_max_len"]
         native = self._native_decode_ok(q, kv_cache)
+        if not native and q.dtype != torch.float32 and self._native_decode_ok(q.float(), kv_cache):
+            # bf16 activations (AMX hosts): the in-place kernel on a float32 copy of the query
+            # (9 heads x 64 values a token) beats gathering the blocks for SDPA by far.
+            return self._decode(q.float(), kv_cache, metadata, step).to(q.dtype)
         if step.get("cascade") is not None and not self.logits_soft_cap and (native or q.dtype == kv_cache.dtype):
             q4 = q.view(nd, hkv, group, d)
             return self._decode_cascade(q4, kv_cache, step["cascade"], metadata, native).reshape(nd, self.num_heads, d)
@@ -192,6 +196,12 @@ class CpuSdpaAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q.view(nd, self.num_heads, 1, d), k, v, attn_mask=mask,
                                                scale=self.scale, enable_gqa=group > 1)
         return o.reshape(nd, self.num_heads, d)
+
+    def native_decode_fn(self, kv_cache: torch.Tensor) -> Optional[int]:
+        """paged_decode.cpp's write-and-attend entry for a float32/bf16 cache (NATIVE_DECODE_ABI)."""
+        if self.logits_soft_cap or not kv_cache.is_contiguous() or cpu_paged_decode.available() is not None:
+            return None
+        return cpu_paged_decode.native_attend_address(kv_cache.dtype)
 
     def _native_decode_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The C++ kernel reads blocks in place (measured ~10x the gather + SDPA path on a W1-like

@@ -18,6 +18,21 @@ import torch
 
 ATTENTION_API_VERSION = 1
 
+# The C signature of `AttentionBackend.native_decode_fn()`, for fused decode steps (a platform's
+# native code calling attention once per layer without going back to Python):
+#   void attend(const float* q,        // [num_seqs, num_heads, head_size], one token per sequence
+#               const float* k,        // [num_seqs, num_kv_heads, head_size], the new token's key
+#               const float* v,        // same, its value
+#               void* kv_cache,        // this layer's cache, the backend's kv_cache_shape and dtype
+#               const int64_t* slots,  // [num_seqs] where the new K/V go (metadata.slot_mapping)
+#               const int32_t* tables, int64_t table_stride,   // [num_seqs, stride] block tables
+#               const int32_t* lens,   // [num_seqs] context length including the new token
+#               float* out,            // [num_seqs, num_heads, head_size]
+#               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+#               int64_t block_size, int64_t num_blocks, float scale,
+#               int64_t window);       // sliding window, 0 = none
+NATIVE_DECODE_ABI = "tokenmill_paged_attend_v1"
+
 
 @dataclass
 class AttentionMetadata:
@@ -140,6 +155,12 @@ class AttentionBackend:
         query: [T, H, D]. Returns [T, H, D] in query's dtype.
         """
         raise NotImplementedError
+
+    def native_decode_fn(self, kv_cache: torch.Tensor) -> Optional[int]:
+        """The address of a C function with the NATIVE_DECODE_ABI signature that does what
+        `forward` does for a decode-only batch over `kv_cache`, or None (the default) when this
+        backend has none for it: fused decode steps then run the model eagerly."""
+        return None
 
 
 class AttentionBackendUnavailable(ValueError):

@@ -137,6 +137,20 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the K/V of seq's first `num_tokens` tokens (speculation rolled back): the
+        blocks past them are released, and only the full blocks before them stay hashed."""
+        keep = -(-num_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} released more often than taken"
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        del seq.block_table[keep:]
+        del seq.block_hashes[num_tokens // self.block_size:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.free_blocks):
             self._evict(block_id)

@@ -75,7 +75,7 @@ class DeviceConfig:
     num_threads: Optional[int] = None     # CPU intra-op threads; None = all cores
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass
@@ -85,7 +85,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4            # ngram: the longest suffix looked up
     prompt_lookup_min: int = 2            # ngram: the shortest
-    model: Optional[str] = None           # draft_model: the drafter's checkpoint
+    model: Optional[str] = None           # draft_model: the drafter's checkpoint (HF dir or .gguf)
     # No drafts in a step with more decoding sequences than this (None: always draft). Batched
     # decode on a CPU is compute-bound, so verifying drafts costs more than it saves there.
     disable_by_batch_size: Optional[int] = 4
@@ -115,13 +115,14 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method is None:
             return
-        if self.method == "draft_model":
-            raise ValueError("speculative_config method 'draft_model' is not supported yet; use 'ngram'")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; "
                              f"got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config num_speculative_tokens must be an integer in 1..16")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError("speculative_config method 'draft_model' needs 'model': the draft checkpoint "
+                             "(an HF directory or a .gguf file sharing the target's vocabulary)")
         if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")

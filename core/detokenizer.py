@@ -38,6 +38,9 @@ class IncrementalDetokenizer:
 
         self._fast = bool(getattr(tokenizer, "is_fast", False))
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        # A fast tokenizer's Rust backend, asked directly per token: transformers'
+        # convert_ids_to_tokens recomputes all_special_ids on every call (~0.15 ms a token).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if self._fast else None
         added = {}
         if not self._fast:
             try:
@@ -109,6 +112,9 @@ class IncrementalDetokenizer:
     def _to_tokens(self, ids: list[int]) -> list[str]:
         if not ids:
             return []
+        if self._backend is not None:
+            skip = self._special_ids if self.skip_special_tokens else ()
+            return [t for t in (self._backend.id_to_token(i) for i in ids if i not in skip) if t is not None]
         toks = self.tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=self.skip_special_tokens)
         if isinstance(toks, str):
             toks = [toks]

@@ -79,7 +79,12 @@ class LLMEngine:
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.model.structured_outputs_backend)
         self.reasoning_parser = _reasoning_parser(config.model.reasoning_parser, self.tokenizer)
-        self.speculator = make_speculator(config.speculative, self.max_model_len, self.vocab_size)
+        self.speculator = make_speculator(
+            config, self.max_model_len, self.vocab_size, platform=self.platform, choose_backend=self._choose_backend,
+            tokenizer=self.tokenizer, tokenizer_path=config.model.tokenizer or bundle.source.path,
+            num_blocks=self.num_kv_blocks, eos_token_ids=self.eos_token_ids)
+        if self.speculator is not None:      # a draft model's KV goes with its sequence's blocks
+            self.scheduler.on_free = self.speculator.release
         # Requests whose grammar is still compiling: in `requests`, not yet in the scheduler.
         self._awaiting_grammar: dict[str, Future] = {}
         self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
@@ -323,7 +328,8 @@ class LLMEngine:
                                         output_token_ids=s.output_token_ids, generator=s.generator,
                                         eos_token_ids=() if s.params.ignore_eos or s.grammar else eos,
                                         grammar=s.grammar))
-            sampled = self.sampler(result.logits, rows)
+            sampled = (self.sampler(result.logits, rows) if result.num_rows is None     # else: drafts verified
+                       else self.speculator.sample(self.sampler, result, rows))
         updates = self.scheduler.update_from_output(batch, result, sampled)
         if self.scheduler.verified:
             for num_drafts, num_accepted in self.scheduler.verified:

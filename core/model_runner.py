@@ -76,7 +76,7 @@ class ModelRunner:
         shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
         for layer in self.layers:
-            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.kv_cache = self.platform.zeros(shape, self.kv_cache_dtype)
 
     def _profile_forward(self) -> None:
         """One dummy forward at the step's token budget, for profilers that measure peak memory."""
@@ -101,7 +101,7 @@ class ModelRunner:
         return self.model(input_ids, positions, attn_metadata)
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                  slots: list[int], num_decodes: int) -> AttentionMetadata:
+                  slots: "list[int] | torch.Tensor", num_decodes: int) -> AttentionMetadata:
         qsl = [0]
         for n in query_lens:
             qsl.append(qsl[-1] + n)
@@ -112,7 +112,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
 
@@ -158,14 +158,18 @@ class ModelRunner:
             row += n
 
         dev = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        meta = self._metadata(query_lens, seq_lens, tables, slots, batch.num_decodes)
+        # One host-to-device copy for the three per-token rows (a decode step is short enough
+        # that each tensor built costs measurably).
+        ids_t, pos_t, slots_t = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=dev)
+        meta = self._metadata(query_lens, seq_lens, tables, slots_t, batch.num_decodes)
         hidden = self.forward(ids_t, pos_t, meta)
         logits = None
         if sample_rows:
-            index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
-            logits = self.model.compute_logits(hidden.index_select(0, index)).float()
+            if len(sample_rows) == row:            # every row sampled (decode): no gather
+                logits = self.model.compute_logits(hidden).float()
+            else:
+                index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+                logits = self.model.compute_logits(hidden.index_select(0, index)).float()
         prompt_logits = [(seq, start, self.model.compute_logits(hidden[first:first + count]).float())
                          for seq, start, first, count in prompt_rows if count > 0]
         return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits,

@@ -10,7 +10,7 @@ freed and it goes back to the waiting queue to be recomputed (its prefix may sti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
@@ -74,6 +74,9 @@ class Scheduler:
         self.verified: list[tuple[int, int]] = []   # (drafts, accepted) per verification; the engine drains it
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Called with each sequence whose blocks are released (finished, aborted, preempted):
+        # state kept per sequence elsewhere (a draft model's KV) goes with them.
+        self.on_free: Optional[Callable[[Sequence], None]] = None
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -90,6 +93,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.on_free is not None:
+            self.on_free(seq)
 
     def fits_in_pool(self, num_tokens: int) -> Optional[str]:
         """None when a sequence of `num_tokens` can ever be held by the pool, else why not."""
@@ -228,6 +233,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.on_free is not None:
+            self.on_free(seq)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -26,9 +26,12 @@ def environment_info(device: str) -> dict:
             "os": f"{_platform.system()} {_platform.release()}", "machine": _platform.machine(),
             "cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "device": device, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "")}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["cuda"] = torch.version.cuda
+    if device.split(":")[0] not in ("cpu", "auto"):
+        from tokenmill.plugins.discovery import resolve_platform
+        try:
+            info["gpu"] = resolve_platform(device.split(":")[0]).device_name()
+        except ValueError as e:
+            info["gpu"] = f"unavailable: {e}"
     pkgs = {}
     for dist in ("tokenmill", "triton", "flash-attn", "flashinfer-python", "flashinfer",
                  "intel-extension-for-pytorch", "torch-xla", "numpy"):
@@ -85,7 +88,7 @@ def markdown_section(run: dict, title: Optional[str] = None) -> str:
     out.append(f"- command: `{run.get('command', '')}`")
     out.append(f"- date: {run.get('date', '')}, grid: {run.get('grid')}, seed: {run.get('seed')}")
     out.append(f"- machine: {env.get('cpu')}, {env.get('cores')} cores ({env.get('torch_threads')} torch threads), "
-               f"{env.get('os')} {env.get('machine')}" + (f", GPU {env['gpu']} (CUDA {env.get('cuda')})"
+               f"{env.get('os')} {env.get('machine')}" + (f", GPU {env['gpu']}"
                                                            if env.get("gpu") else ""))
     pk = ", ".join(f"{k} {v}" for k, v in env.get("packages", {}).items())
     out.append(f"- versions: Python {env.get('python')}, torch {env.get('torch')}" + (f", {pk}" if pk else ""))

@@ -38,6 +38,14 @@ def add_bench_subparser(bench_subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _device_platform(device: str):
+    """The platform that owns `device` ("cuda:0" -> cuda), for its synchronize(); the device
+    APIs stay behind the platform interface."""
+    from tokenmill.plugins.discovery import resolve_platform
+
+    return resolve_platform(device.split(":")[0])
+
+
 def _scenario_batch(name: str, args):
     """(query_lens, seq_lens) for a scenario."""
     if name == "decode":
@@ -125,7 +133,7 @@ def run(args) -> int:
                 return 2
             continue
         chosen[name] = backends[name]
-    sync = (lambda: torch.cuda.synchronize()) if args.device.startswith("cuda") else (lambda: None)
+    sync = _device_platform(args.device).synchronize
     scenarios = args.scenario or list(SCENARIOS)
     results = []
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}, "

@@ -7,6 +7,7 @@ heavy imports (torch, the engine) inside `run`, so `tokenmill --help` stays fast
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
@@ -18,12 +19,14 @@ COMMAND_MODULES = [
     "tokenmill.entrypoints.plugins_cmd",
     "tokenmill.entrypoints.check_plugin",
     "tokenmill.entrypoints.openai.serve_cmd",
+    "tokenmill.entrypoints.run_batch_cmd",
     "tokenmill.entrypoints.attention_matrix",
 ]
 BENCH_MODULES = [
     "tokenmill.entrypoints.bench_throughput",
     "tokenmill.entrypoints.bench_serve",
     "tokenmill.entrypoints.bench_attention",
+    "tokenmill.entrypoints.bench_gemm",
 ]
 
 
@@ -44,19 +47,41 @@ def build_parser() -> argparse.ArgumentParser:
         module = _import_optional(name)
         if module is not None:
             module.add_subparser(subparsers)
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name in BENCH_MODULES:
         module = _import_optional(name)
         if module is not None:
             module.add_bench_subparser(bench_sub)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+    # Each command's parser, so that an unknown flag is reported under that command's usage line.
+    for sub in (subparsers, bench_sub):
+        for command in sub.choices.values():
+            command.set_defaults(_cli_parser=command)
     return parser
+
+
+def unknown_arguments_message(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """`unrecognized arguments: …`, naming the closest known flag for each unknown one (difflib)."""
+    known = [s for action in parser._actions for s in action.option_strings]
+    hints = []
+    for arg in extras:
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag} (did you mean {close[0]}?)")
+            else:
+                hints.append(flag)
+    return "unrecognized arguments: " + " ".join(hints or extras)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command_parser = getattr(args, "_cli_parser", None) or parser
+        command_parser.error(unknown_arguments_message(command_parser, extras))
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

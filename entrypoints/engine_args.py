@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true",
+                        help="split long prompts across steps (the default; vLLM's flag, accepted)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (CPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -35,7 +37,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--graph-capture", default=None, help="override the platform's graph-capture strategy")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--generation-config", default="auto", choices=["auto", "none"])
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|FOLDER",
+                        help="sampling defaults: auto (the model's generation_config.json), vllm or none "
+                             "(no model defaults), or a folder holding a generation_config.json")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs to split the model over (only 1 is supported)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM compatibility; tokenmill never runs a checkpoint's own code")
     parser.add_argument("--structured-outputs-backend", default="auto",
                         help="grammar backend for structured outputs: auto (= xgrammar), xgrammar, guidance "
                              "(llguidance) or a plugin's name")
@@ -50,9 +58,19 @@ ENGINE_ARG_NAMES = (
     "long_prefill_token_threshold", "enable_chunked_prefill", "block_size", "kv_cache_memory",
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
-    "generation_config", "structured_outputs_backend", "speculative_config",
+    "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
 )
 
 
+def generation_config_folder(value: str) -> "str | None":
+    """The folder of a `--generation-config FOLDER` (None for auto / vllm / none)."""
+    return None if value in ("auto", "vllm", "none") else value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES if hasattr(args, name)}
+    # The engine knows "auto" and "none"; vLLM's "vllm" means none, and a folder's defaults are
+    # applied by the server to each request (the model's own are then off).
+    if kwargs.get("generation_config") not in (None, "auto", "none"):
+        kwargs["generation_config"] = "none"
+    return kwargs

@@ -84,19 +84,47 @@ class CpuPlatform(Platform):
         return CpuMemoryProfiler()
 
     def graph_capture_strategies(self) -> list[str]:
-        return ["none", "torch.compile"]
+        return ["fused_decode", "none", "torch.compile"]
 
     def graph_capture(self, config) -> GraphCapture:
-        choice = config.device.graph_capture or "none"
+        """Default: "fused_decode" (decode steps as one native call, platforms/cpu_fused_decode.py)
+        for quantization="int4" and dtype bfloat16; float32 stays eager, token-identical to
+        transformers. enforce_eager or TOKENMILL_CPU_KERNELS=0: eager."""
+        from .cpu_fused_decode import FusedDecodeCapture
+        from .native_build import disabled
+
+        choice = config.device.graph_capture
+        weight_format = ("q4" if config.model.quantization == "int4"
+                         else "bf16" if config.model.dtype == "bfloat16" and not config.model.quantization else None)
         if config.device.enforce_eager or choice == "none":
             return GraphCapture()
+        if choice is None:
+            return FusedDecodeCapture(weight_format) if weight_format and not disabled() else GraphCapture()
         if choice == "torch.compile":
             return TorchCompileCapture()
+        if choice == "fused_decode":
+            if weight_format is None:
+                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4' or dtype 'bfloat16' "
+                                 "on the cpu platform (float32 runs eagerly, matching transformers)")
+            return FusedDecodeCapture(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
                          f"(offers {self.graph_capture_strategies()})")
 
     def distributed_backend(self) -> str:
         return "gloo"
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Through calloc (numpy's zeros): the kernel hands out zero pages as they are first
+        touched, so a 4 GiB KV pool costs nothing at start-up (torch.zeros writes every byte:
+        ~1.5 s here) and only the blocks in use ever take RAM."""
+        import numpy as np
+
+        count = 1
+        for size in shape:
+            count *= size
+        element = torch.empty((), dtype=dtype).element_size()
+        raw = torch.from_numpy(np.zeros(count * element, dtype=np.uint8))
+        return raw.view(dtype).view(shape)
 
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
         # Without AMX, bf16 pays only where memory bandwidth binds (reading weights); activations,
@@ -105,15 +133,25 @@ class CpuPlatform(Platform):
 
     def layer_kernels(self, config) -> dict[str, Any]:
         """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
-        when they build here; they agree with torch only to rounding, so only where exact parity
-        with transformers is not promised. bf16 weights on a CPU without AMX: bf16 weights with fp32
+        when they build here (they agree with torch only to rounding, so only where exact parity
+        with transformers is not promised) and the native int8 LM head for decode steps
+        (NativeHeadKernel). bf16 with AMX and fused_decode: the native bf16 LM head for decode steps. bf16 weights on a CPU without AMX: bf16 weights with fp32
         activations for every dense matmul (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels
         from .cpu_layer_kernels import native_layer_kernels
+        from .cpu_fused_decode import FusedDecodeCapture, NativeHeadKernel
         from .cpu_linear import Bf16WeightLinear
 
+        fused = isinstance(self.graph_capture(config), FusedDecodeCapture)
         if config.model.quantization == "int4":
-            return native_layer_kernels() if cpu_kernels.available() is None else {}
+            kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
+            if NativeHeadKernel.available("q8") is None:
+                kernels["lm_head"] = NativeHeadKernel("q8")
+            return kernels
+        if (fused and config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16
+                and NativeHeadKernel.available("bf16") is None):
+            # The decode step's head in the fused step's bf16 form (the weights are bf16 already).
+            return {"lm_head": NativeHeadKernel("bf16")}
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):

@@ -129,6 +129,9 @@ class CudaPlatform(Platform):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def device_name(self) -> str:
+        return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
         torch.cuda.manual_seed_all(seed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -98,9 +98,50 @@ class DefaultMemoryProfiler(MemoryProfiler):
         return blocks
 
 
+@dataclass
+class DecoderLayerSpec:
+    """One pre-norm decoder layer as a fused step reads it: x += o(attn(rope(qkv(norm(x)))));
+    x += down(silu(gate) * up) of gate_up(norm(x)). Linear layers are the core's (`weight`
+    [N, K], `bias`, `quant_method` with the quantization interface); `attention` is the core's
+    attention layer (`impl`: the backend, `kv_cache`, `scale`, `sliding_window`)."""
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Any
+    o: Any
+    gate_up: Any
+    down: Any
+    attention: Any
+    q_norm: Optional[torch.Tensor] = None      # per-head RMSNorm of q and k before rope (Qwen3)
+    k_norm: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DecoderStackSpec:
+    """What a model offers a platform's fused decode step (`model.decoder_stack()`): a Llama-style
+    decoder with RMSNorm (eps), rotate-half rope from `cos_sin` [positions, head_size] (cos | sin),
+    SiLU-gated MLP and a final norm; the LM head stays the model's own."""
+    embedding: torch.Tensor
+    final_norm: torch.Tensor
+    eps: float
+    cos_sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    hidden_size: int
+    intermediate_size: int
+    layers: list[DecoderLayerSpec]
+
+
 class GraphCapture:
     """How a platform turns the eager forward into something cheaper to launch."""
     name: ClassVar[str] = "none"
+    # What attention backends must support (`supported_graph_modes`): a strategy that never puts
+    # the backend's forward inside a graph says "none".
+    attention_mode: ClassVar[Optional[str]] = None     # None: `name`
+
+    @classmethod
+    def backend_mode(cls) -> str:
+        return cls.attention_mode or cls.name
 
     def wrap(self, forward: Callable[..., torch.Tensor], runner: Any) -> Callable[..., torch.Tensor]:
         """Return the callable the model runner invokes each step, same signature as `forward`:
@@ -182,8 +223,16 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.torch_device)
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor on the device (the KV pool: gigabytes, allocated once)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device())
+
     def synchronize(self) -> None:
         pass
+
+    def device_name(self) -> str:
+        """The accelerator's model name for reports ("" when the device is the host CPU)."""
+        return ""
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)

@@ -24,6 +24,7 @@ class _Int4State(NamedTuple):
     scale_and_zero: torch.Tensor      # bf16 [K/G, N, 2]
     int8_weight: torch.Tensor         # [K, N] for torch._int_mm
     channel_scale: torch.Tensor       # float32 [N]
+    nibbles: torch.Tensor             # q as uint8 [N, K/2], two per byte (even k low): affine_groups
 
 
 class _Int8HeadState(NamedTuple):
@@ -112,7 +113,9 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
         # torch's kernel computes (q - 8) * scale + zero.
         scale_and_zero = torch.stack((scale.t(), (low + 8 * scale).t()), dim=-1).to(torch.bfloat16).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        layer.int4_state = _Int4State(packed, scale_and_zero, *quantize_int8_per_channel(values))
+        q8 = q.to(torch.uint8)
+        nibbles = q8[:, 0::2] | (q8[:, 1::2] << 4)
+        layer.int4_state = _Int4State(packed, scale_and_zero, *quantize_int8_per_channel(values), nibbles)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         state: Optional[_Int4State] = layer.int4_state
@@ -124,6 +127,17 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), state.packed, self.group_size,
                                                        state.scale_and_zero).to(x.dtype)
         return y + bias if bias is not None else y
+
+    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """The 4-bit grid `apply` uses: q from the kept nibbles, scale and low from torch's bf16
+        scale / zero point (zero = low + 8 * scale)."""
+        state: Optional[_Int4State] = getattr(layer, "int4_state", None)
+        if state is None:
+            return None
+        scale = state.scale_and_zero[..., 0].float().t().contiguous()         # [N, K/G]
+        low = (state.scale_and_zero[..., 1].float().t() - 8 * scale).contiguous()
+        q = torch.stack((state.nibbles & 0x0F, state.nibbles >> 4), dim=-1).reshape(state.nibbles.shape[0], -1)
+        return q, scale, low, self.group_size
 
     def lm_head_method(self) -> "Int8HeadMethod":
         head = Int8HeadMethod(self.outlier_channels)

@@ -72,10 +72,46 @@ def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...
         # torch reads bf16 natively (numpy has no bf16), and this skips a float32 numpy copy.
         values = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[q])
         return values.to(torch.float32).reshape(shape)
+    if q in _TORCH_DEQUANTIZE:
+        return _TORCH_DEQUANTIZE[q](torch.from_numpy(raw.copy())).reshape(shape)
     # One row holding every block: gguf.quants loops in Python over groups of 16 rows, so
     # handing it the tensor's natural rows (or single blocks) costs seconds per model.
     out = _gguf_dequantize(raw.reshape(1, -1), q)      # float32 [1, num_elements]
     return torch.from_numpy(out).reshape(shape)
+
+
+# The commonest block formats in torch ops (multi-threaded; gguf.quants' numpy took ~2 s for
+# SmolLM2's Q4_1 file here). Same arithmetic as gguf.quants, in the same order, so the values
+# are bit-identical (tests/test_gguf_quant.py compares them).
+def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    return raw.reshape(-1, block_bytes)
+
+
+def _fp16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes a block -> its 32 values: the low nibbles are elements 0..15, the high ones 16..31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1).to(torch.float32)
+
+
+def _q4_0(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, 18)
+    return (_fp16(b, 0) * (_nibbles(b[:, 2:]) - 8)).reshape(-1)
+
+
+def _q4_1(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, 20)
+    return (_fp16(b, 0) * _nibbles(b[:, 4:]) + _fp16(b, 2)).reshape(-1)
+
+
+def _q8_0(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, 34)
+    return (_fp16(b, 0) * b[:, 2:].contiguous().view(torch.int8).to(torch.float32)).reshape(-1)
+
+
+_TORCH_DEQUANTIZE = {QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q8_0: _q8_0}
 
 
 @dataclass(frozen=True, eq=False)

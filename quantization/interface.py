@@ -55,6 +55,13 @@ class QuantizationMethod:
         """x [..., input_size] -> [..., output_size] (+ bias)."""
         raise NotImplementedError
 
+    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """For a platform kernel that multiplies from the method's own grid (a fused decode
+        step): the layer's weight [N, K] as (q uint8 [N, K], scale float32 [N, K/G], low float32
+        [N, K/G], G) with w = scale * q + low in groups of G inputs. None (the default): the
+        method has no such form, or this layer is not stored in it."""
+        return None
+
     def lm_head_method(self) -> Optional["QuantizationMethod"]:
         """The method for the LM head, which is often tied to the embedding (so its weight must
         stay as loaded) and more sensitive to precision than the other layers. The head keeps

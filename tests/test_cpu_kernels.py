@@ -139,4 +139,4 @@ def test_kernels_off_by_environment(monkeypatch):
     assert platform.layer_kernels(config) == {} and platform.quantization_kernels("int4") == {}
     assert cpu_kernels.available() and cpu_paged_decode.available()
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
-    assert set(platform.layer_kernels(config)) == {"rms_norm", "rotary", "silu_and_mul"}
+    assert set(platform.layer_kernels(config)) == {"rms_norm", "rotary", "silu_and_mul", "lm_head"}

@@ -197,7 +197,10 @@ def test_served_with_a_reasoning_parser_constrained_answers_still_parse():
                     entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                     entry["name"] += tc.function.name or ""
                     entry["arguments"] += tc.function.arguments or ""
-        assert finish == "tool_calls" and calls
-        for entry in calls.values():
+        # "required" allows several calls: a model that starts another one may run out of tokens
+        # inside it (what greedy bf16 SmolLM2 does here); every call before that one is whole.
+        assert calls and (finish == "tool_calls" or (finish == "length" and len(calls) > 1)), (finish, calls)
+        whole = list(calls.values()) if finish == "tool_calls" else list(calls.values())[:-1]
+        for entry in whole:
             assert entry["name"] == "get_weather"
             jsonschema.validate(json.loads(entry["arguments"]), schema)

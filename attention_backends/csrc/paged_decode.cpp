@@ -37,6 +37,18 @@ inline float to_float<uint16_t>(uint16_t x) {   // bfloat16 bits
   return f;
 }
 
+template <typename KV>
+inline KV from_float(float x);
+template <>
+inline float from_float<float>(float x) { return x; }
+template <>
+inline uint16_t from_float<uint16_t>(float x) {   // round to nearest even, as torch's .to(bfloat16)
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 template <typename KV, int D>
 void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -134,11 +146,31 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
   }
 }
 
+template <typename KV>
+void write_and_attend(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
+                      const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                      int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
+  KV* kv = static_cast<KV*>(kv_cache);
+  const int64_t row = num_kv_heads * head_size;
+  const int64_t v_offset = num_blocks * block_size * row;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    KV* kd = kv + slots[s] * row;
+    KV* vd = kv + v_offset + slots[s] * row;
+    for (int64_t i = 0; i < row; ++i) {
+      kd[i] = from_float<KV>(k[s * row + i]);
+      vd[i] = from_float<KV>(v[s * row + i]);
+    }
+  }
+  dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
+               num_blocks, scale, window, 0, nullptr);
+}
+
 }  // namespace
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 1; }
+int tokenmill_kernels_abi_version() { return 2; }
 
 void paged_decode_f32(const float* q, const float* kv, const int32_t* tables, int64_t table_stride,
                       const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -154,6 +186,25 @@ void paged_decode_bf16kv(const float* q, const uint16_t* kv, const int32_t* tabl
                          float scale, int64_t window, int64_t first_pos, float* lse) {
   dispatch<uint16_t>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size,
                      block_size, num_blocks, scale, window, first_pos, lse);
+}
+
+// NATIVE_DECODE_ABI (attention_backends/interface.py), what fused decode steps call per layer:
+// write each sequence's new K/V row [num_seqs, num_kv_heads, head_size] (float32) to its slot,
+// then paged_decode over [0, lens). The cache is float32 or bfloat16 (rounded to nearest even).
+void paged_attend_f32(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
+                      const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
+                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                      int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
+  write_and_attend<float>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,
+                          num_kv_heads, head_size, block_size, num_blocks, scale, window);
+}
+
+void paged_attend_bf16kv(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
+                         const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                         int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
+  write_and_attend<uint16_t>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,
+                             num_kv_heads, head_size, block_size, num_blocks, scale, window);
 }
 
 }  // extern "C"

@@ -40,7 +40,9 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._kernel is not None:
-            return self._kernel(hidden, self._prepared, None).float()
+            out = self._kernel(hidden, self._prepared, None)
+            if out is not NotImplemented:      # a kernel may leave some inputs to the method
+                return out.float()
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden, None).float()
         return F.linear(hidden, self.weight).float()

@@ -148,7 +148,7 @@ def load_model(config: EngineConfig, platform: PlatformLike,
                                                    discovery.model_architectures())
     attn_config = model_cls.attention_config(
         meta.hf_config, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
-        graph_capture=platform.graph_capture(config).name, device=platform.dispatch_key)
+        graph_capture=platform.graph_capture(config).backend_mode(), device=platform.dispatch_key)
     backend_cls = choose_backend(attn_config)
     # Parameters are built on the target device, uninitialized (loading fills every one), in the
     # activation dtype: where weights are narrower (bf16 on a CPU without AMX) a platform layer

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention_backends.interface import AttentionConfig
+from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
@@ -195,6 +196,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def decoder_stack(self) -> DecoderStackSpec:
+        """This network as a platform's fused decode step reads it (platforms/interface.py)."""
+        model, attn0 = self.model, self.model.layers[0].self_attn
+        layers = [DecoderLayerSpec(
+            input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
+            qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
+            down=layer.mlp.down_proj, attention=layer.self_attn.attn,
+            q_norm=layer.self_attn.q_norm.weight if layer.self_attn.q_norm is not None else None,
+            k_norm=layer.self_attn.k_norm.weight if layer.self_attn.k_norm is not None else None)
+            for layer in model.layers]
+        return DecoderStackSpec(
+            embedding=model.embed_tokens.weight, final_norm=model.norm.weight, eps=float(model.norm.eps),
+            cos_sin=model.rotary_emb.cos_sin_cache, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
+            head_size=attn0.head_dim, hidden_size=self.config.hidden_size,
+            intermediate_size=self.config.intermediate_size, layers=layers)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -3,14 +3,21 @@
     python docs/bench/perplexity.py                          # weights as loaded (float32 here)
     python docs/bench/perplexity.py --quantization int4      # as shipped: int8 GEMMs for 8+ rows
     python docs/bench/perplexity.py --quantization int4 --path int4-kernel   # the <8-row path for all
+    python docs/bench/perplexity.py --dtype bfloat16                          # bf16 weights, as prefill runs
+    python docs/bench/perplexity.py --quantization int4 --path fused-decode   # what decode steps run
+    python docs/bench/perplexity.py --dtype bfloat16 --path fused-decode
 
 Prompt logprobs come from one prefill per passage, so without --path they measure the batched
-(8+ rows) numerics; --path int4-kernel routes every row count through the small-batch kernel.
+(8+ rows) numerics; --path int4-kernel routes every row count through the small-batch kernel;
+--path fused-decode feeds each passage one token at a time through the cpu platform's fused
+decode step (platforms/cpu_fused_decode.py), the numerics of every generated token there.
 """
 from __future__ import annotations
 
 import argparse
 import math
+
+import torch
 
 from tokenmill import LLM, SamplingParams
 
@@ -38,12 +45,33 @@ PASSAGES = [
 ]
 
 
+def decode_nll(llm: LLM, token_ids: list[int]) -> list[float]:
+    """-log p(token i+1 | tokens <= i), every token a one-token decode step (the fused path)."""
+    from tokenmill.attention_backends.interface import build_metadata
+
+    runner = llm.engine.runner
+    if not hasattr(runner.forward, "fused_step"):
+        raise SystemExit("this engine does not run the fused decode step (see its log for why)")
+    table = list(range((len(token_ids) + runner.block_size - 1) // runner.block_size))
+    values = []
+    with torch.inference_mode():
+        for i in range(len(token_ids) - 1):
+            meta = build_metadata([1], [i + 1], [table], runner.block_size, num_decodes=1)
+            hidden = runner.forward(torch.tensor([token_ids[i]]), torch.tensor([i]), meta)
+            logits = runner.model.compute_logits(hidden).float()
+            values.append(float(torch.log_softmax(logits[0], dim=-1)[token_ids[i + 1]]))
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--path", choices=["as-shipped", "int4-kernel"], default="as-shipped")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--path", choices=["as-shipped", "int4-kernel", "fused-decode"], default="as-shipped")
     args = parser.parse_args()
-    llm = LLM(quantization=args.quantization, max_model_len=2048)
+    llm = LLM(quantization=args.quantization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_model_len=2048)
     if args.path == "int4-kernel":
         from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
         for module in llm.engine.bundle.model.modules():
@@ -52,9 +80,12 @@ def main() -> None:
                 method.small_batch_rows = 1 << 30
     total_nll, total_tokens = 0.0, 0
     for passage in PASSAGES:
-        out = llm.generate([passage], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-        logprobs = [next(iter(d.values())) for d in out.prompt_logprobs if d]
-        values = [lp.logprob if hasattr(lp, "logprob") else float(lp) for lp in logprobs]
+        if args.path == "fused-decode":
+            values = decode_nll(llm, llm.engine.tokenizer.encode(passage))
+        else:
+            out = llm.generate([passage], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+            logprobs = [next(iter(d.values())) for d in out.prompt_logprobs if d]
+            values = [lp.logprob if hasattr(lp, "logprob") else float(lp) for lp in logprobs]
         nll = -sum(values)
         total_nll += nll
         total_tokens += len(values)

@@ -8,14 +8,22 @@ deltas. Where things are:
   serving_completions.py  POST /v1/completions
   serving_chat.py         POST /v1/chat/completions (and the chat template)
   serving_tokenize.py     POST /tokenize, /detokenize
-  errors.py               OpenAI-shaped errors; the one translation of engine refusals
+  serving_messages.py     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
+  serving_responses.py    POST /v1/responses, GET/DELETE /v1/responses/{id} (OpenAI's Responses API)
+  batch_routes.py         /v1/files, /v1/batches (batch_jobs.py runs them, batch_store.py keeps them on disk,
+                          batch_lines.py runs one batch line through this app, as `run-batch` does)
+  errors.py               OpenAI-shaped errors (Anthropic-shaped under /v1/messages); the one
+                          translation of engine refusals
+
+The model loads in the background while the server already answers: /health/live at once,
+/health/ready (and every route that needs the engine) with 503 until a request can be served.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,12 +31,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ... import __version__
 from . import errors as E
+from .batch_routes import add_batch_routes
 from .engine_client import EngineClient
 from .http import Guard, error_response
 from .metrics import CONTENT_TYPE_LATEST
 from .serving import ServerSettings, ServerState
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
+from .serving_messages import count_message_tokens, create_message
+from .serving_responses import add_response_routes
 from .serving_tokenize import detokenize, tokenize
 
 logger = logging.getLogger("tokenmill.serve")
@@ -36,12 +47,60 @@ logger = logging.getLogger("tokenmill.serve")
 __all__ = ["ServerSettings", "create_app"]
 
 
+class Serving:
+    """The app's hold on the engine: `state` is None until the model is loaded (`load`), and the
+    routes ask for it through `require` (503 while loading, or after loading failed)."""
+
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.state: Optional[ServerState] = None
+        self.failed: Optional[str] = None
+        self.on_started: list[Callable[[ServerState], None]] = []    # e.g. resuming batch jobs
+        self.on_stopping: list[Callable[[], None]] = []
+
+    def require(self) -> ServerState:
+        if self.state is None:
+            raise E.model_loading(self.failed)
+        return self.state
+
+    def started(self, loop: asyncio.AbstractEventLoop) -> ServerState:
+        """The engine process is up (its model loaded): build the state, start routing its outputs."""
+        state = ServerState(self.client, self.settings)
+        self.client.on_stats = state.metrics.update_stats
+        self.client.attach(loop)
+        self.state = state
+        for callback in self.on_started:
+            callback(state)
+        return state
+
+    async def load(self, timeout: Optional[float], on_ready: Optional[Callable[[ServerState], None]],
+                   on_failed: Optional[Callable[[BaseException], None]]) -> None:
+        try:
+            await asyncio.to_thread(self.client.start, timeout)
+            state = self.started(asyncio.get_running_loop())
+        except Exception as exc:
+            self.failed = str(exc)
+            if on_failed is not None:
+                on_failed(exc)
+            return
+        if on_ready is not None:
+            on_ready(state)
+
+    async def drain(self, timeout: float) -> None:
+        if self.state is not None:
+            await self.state.drain(timeout)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error, FastAPI's own 404/405 included, in OpenAI's shape."""
+    """Every error, FastAPI's own 404/405 included, in OpenAI's shape (Anthropic's under /v1/messages)."""
+
+    def respond(request: Request, err: E.APIError) -> JSONResponse:
+        return error_response(err, E.is_anthropic_path(request.url.path))
 
     @app.exception_handler(E.APIError)
     async def _api_error(request: Request, exc: E.APIError) -> JSONResponse:
-        return error_response(exc)
+        return respond(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -53,23 +112,41 @@ def _add_error_handlers(app: FastAPI) -> None:
                              "invalid_request_error", None, "method_not_allowed")
         else:
             err = E.APIError(exc.status_code, str(exc.detail), "invalid_request_error")
-        return error_response(err)
+        return respond(request, err)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(E.internal_error())
+        return respond(request, E.internal_error())
 
 
-def _add_meta_routes(app: FastAPI, state: ServerState) -> None:
-    """/health, /ping, /version, /metrics and the model list."""
-    client = state.client
+def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
+    """/health (/ping), /health/live, /health/ready, /version, /metrics and the model list."""
+    client = serving.client
 
     @app.get("/health")
     async def health() -> Response:
+        serving.require()
         if await client.ping(timeout=10.0):
             return Response(status_code=200)
         return error_response(E.engine_dead())
+
+    @app.get("/health/live")
+    async def health_live() -> JSONResponse:
+        """The process answers (the model may still be loading)."""
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/health/ready")
+    async def health_ready() -> JSONResponse:
+        """200 only when a request can be served now: the model is loaded, the engine process alive and
+        answering, the server not shutting down, and its waiting queue not full."""
+        state = serving.require()
+        if state.shutting_down:
+            raise E.server_shutting_down()
+        state.admit(1)
+        if not await client.ping(timeout=5.0):
+            raise E.engine_dead()
+        return JSONResponse({"status": "ready"})
 
     @app.get("/ping")
     async def ping() -> Response:
@@ -81,62 +158,88 @@ def _add_meta_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(serving.require().metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(state: ServerState, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                 "root": state.info.model_path or state.info.model_name, "parent": None,
                 "max_model_len": state.info.max_model_len}
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card(m) for m in state.model_names]})
+        state = serving.require()
+        return JSONResponse({"object": "list", "data": [model_card(state, m) for m in state.model_names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
+        state = serving.require()
         if model_id not in state.model_names:
             raise E.model_not_found(model_id)
-        return JSONResponse(model_card(model_id))
+        return JSONResponse(model_card(state, model_id))
 
 
-def create_app(client: EngineClient, settings: ServerSettings) -> Guard:
-    """The ASGI app for a started `client`. `.state` is the ServerState (the server drains it on
-    shutdown); the engine process is shut down when the app's lifespan ends."""
-    state = ServerState(client, settings)
+def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeout: Optional[float] = None,
+               on_ready: Optional[Callable[[ServerState], None]] = None,
+               on_failed: Optional[Callable[[BaseException], None]] = None) -> Guard:
+    """The ASGI app for `client`. A client not started yet is started when the app's lifespan begins,
+    in the background (`on_ready(state)` / `on_failed(exc)` tell how that went) while the server already
+    answers. `.state` is the `Serving` (the server drains it on shutdown); the engine process is shut
+    down when the app's lifespan ends."""
+    serving = Serving(client, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client.on_stats = state.metrics.update_stats
-        client.attach(asyncio.get_running_loop())
-        logger.info("OpenAI-compatible API for model %r at http://%s:%d/v1", state.model_name,
-                    settings.host, settings.port)
+        loop = asyncio.get_running_loop()
+        loading = None
+        if client.info is None:
+            loading = loop.create_task(serving.load(startup_timeout, on_ready, on_failed))
+        else:
+            state = serving.started(loop)
+            if on_ready is not None:
+                on_ready(state)
         try:
             yield
         finally:
-            client.shutdown()
+            if loading is not None:
+                loading.cancel()
+            for callback in serving.on_stopping:
+                callback()
+            # An engine still loading its model reads no command: do not wait long for it to obey one.
+            client.shutdown(timeout=10.0 if serving.state is not None else 1.0)
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
-    app.state.tokenmill = state
+                  openapi_url="/openapi.json")
+    app.state.tokenmill = serving
     _add_error_handlers(app)
-    _add_meta_routes(app, state)
+    _add_meta_routes(app, serving)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(state, request)
+        return await create_completion(serving.require(), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, request)
+        return await create_chat_completion(serving.require(), request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(serving.require(), request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> JSONResponse:
+        return await count_message_tokens(serving.require(), request)
+
+    add_response_routes(app, serving.require, settings.max_stored_responses)
+    add_batch_routes(app, serving, settings.batch_dir)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
-        return await tokenize(state, request)
+        return await tokenize(serving.require(), request)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
-        return await detokenize(state, request)
+        return await detokenize(serving.require(), request)
 
     guard = Guard(app, settings.api_keys, settings.max_request_body_bytes)
-    guard.state = state   # type: ignore[attr-defined]
+    guard.state = serving   # type: ignore[attr-defined]
     return guard

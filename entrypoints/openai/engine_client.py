@@ -146,6 +146,11 @@ class EngineClient:
         return self._dead_reason is None and self._proc is not None and self._proc.is_alive()
 
     @property
+    def is_closing(self) -> bool:
+        """shutdown() was called."""
+        return self._closing
+
+    @property
     def num_waiting_estimate(self) -> int:
         """Waiting in the engine as last reported, plus adds the engine had not seen yet."""
         return int(self.stats.get("num_waiting", 0)) + max(0, self._num_sent_adds - self._num_added_seen)

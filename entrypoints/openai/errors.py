@@ -35,8 +35,25 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (the type from the status)."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def sse(self) -> str:
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The routes of Anthropic's Messages API, whose errors have Anthropic's shape."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -51,7 +68,7 @@ def model_not_found(model: str) -> APIError:
 def invalid_api_key(provided: bool) -> APIError:
     message = ("Incorrect API key provided." if provided else
                "You didn't provide an API key. Pass it in the Authorization header: "
-               "`Authorization: Bearer YOUR_KEY`.")
+               "`Authorization: Bearer YOUR_KEY` (or in `x-api-key: YOUR_KEY`).")
     return APIError(401, message, "invalid_request_error", None, "invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})
 
@@ -64,6 +81,13 @@ def request_too_large(limit: int) -> APIError:
 def server_overloaded(retry_after: int = 1) -> APIError:
     return APIError(503, "The server is overloaded (the waiting queue is full); retry later.",
                     "server_error", None, "server_overloaded", headers={"Retry-After": str(retry_after)})
+
+
+def model_loading(failed: Optional[str] = None) -> APIError:
+    if failed:
+        return APIError(503, f"The model failed to load: {failed}", "server_error", None, "engine_dead")
+    return APIError(503, "The model is still loading; retry shortly.", "server_error", None, "model_loading",
+                    headers={"Retry-After": "1"})
 
 
 def engine_dead() -> APIError:

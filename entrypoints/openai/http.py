@@ -28,12 +28,15 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def error_response(err: E.APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def error_response(err: E.APIError, anthropic: bool = False) -> JSONResponse:
+    """The error as a JSON response: OpenAI's shape, or Anthropic's (the /v1/messages routes)."""
+    return JSONResponse(err.anthropic_body() if anthropic else err.body(), status_code=err.status,
+                        headers=err.headers)
 
 
 class Guard:
-    """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize; body-size limit (413).
+    """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize (`Authorization: Bearer KEY`,
+    or Anthropic's `x-api-key: KEY`); body-size limit (413). Errors under /v1/messages have Anthropic's shape.
 
     Pure ASGI rather than FastAPI middleware so that a refused request never reaches routing
     and an oversized chunked upload is cut off while it is being read."""
@@ -50,19 +53,25 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         headers = dict(scope.get("headers") or [])
+        anthropic = E.is_anthropic_path(path)
+
+        async def refuse(err: E.APIError) -> None:
+            await error_response(err, anthropic)(scope, receive, send)
+
         if self.keys and (path == "/v1" or path.startswith(self.PROTECTED_PREFIXES)):
             auth = headers.get(b"authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            x_api_key = headers.get(b"x-api-key", b"").strip()
             # compare_digest: no timing side channel on the key
-            if not token or not any(hmac.compare_digest(token, k) for k in self.keys):
-                return await error_response(E.invalid_api_key(bool(auth)))(scope, receive, send)
+            if not any(hmac.compare_digest(t, k) for t in (token, x_api_key) if t for k in self.keys):
+                return await refuse(E.invalid_api_key(bool(auth or x_api_key)))
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             length = headers.get(b"content-length")
             try:
                 if length is not None and int(length) > self.limit:
-                    return await error_response(E.request_too_large(self.limit))(scope, receive, send)
+                    return await refuse(E.request_too_large(self.limit))
             except ValueError:
-                return await error_response(E.bad_request("Invalid Content-Length header."))(scope, receive, send)
+                return await refuse(E.bad_request("Invalid Content-Length header."))
             # Buffer the body (chunked uploads included) up to the limit, then replay it.
             chunks: list[bytes] = []
             size = 0
@@ -73,7 +82,7 @@ class Guard:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.limit:
-                    return await error_response(E.request_too_large(self.limit))(scope, receive, send)
+                    return await refuse(E.request_too_large(self.limit))
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break

@@ -1,4 +1,4 @@
-"""`tokenmill serve [MODEL] --device …`: the OpenAI-compatible HTTP server."""
+"""`tokenmill serve [MODEL] --device …` (or `--model MODEL`, as vLLM): the OpenAI-compatible HTTP server."""
 from __future__ import annotations
 
 import argparse
@@ -18,12 +18,10 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...).")
     add_engine_args(parser)
+    add_model_args(parser)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="name(s) clients use for the model; the first is reported in responses and metrics "
-                            "(default: the model file or directory stem)")
     group.add_argument("--api-key", action="append", default=None,
                        help=f"require `Authorization: Bearer KEY` on /v1 routes and /tokenize, /detokenize; "
                             f"repeat for several valid keys (rotation). Also read from ${API_KEY_ENV} "
@@ -37,7 +35,27 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     group.add_argument("--engine-startup-timeout", type=float, default=None,
                        help="give up if the engine has not loaded the model after this many seconds")
-    group.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)   # module:callable, for tests
+    group.add_argument("--max-stored-responses", type=int, default=1000,
+                       help="finished /v1/responses kept in memory for previous_response_id and GET (LRU; "
+                            "default 1000, 0: none)")
+    group.add_argument("--batch-dir", default=None, metavar="DIR",
+                       help="where /v1/files and /v1/batches keep their state (resumed after a restart; "
+                            "default ~/.cache/tokenmill/batches)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """What `serve` and `run-batch` share besides the engine args: the model flag, served names, the chat
+    template, tool-call and reasoning parsers."""
+    parser.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                        help="the model, as vLLM's `serve --model X` (same as the positional MODEL)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use for the model; the first is reported in responses and metrics "
+                             "(default: the model file or directory stem)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template (a file, or the template itself) replacing the tokenizer's")
+    parser.add_argument("--engine-factory", default=None, help=argparse.SUPPRESS)   # module:callable, for tests
     tools = parser.add_argument_group("tool calls and reasoning")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="read tool calls from the output of chat requests with tools and tool_choice "
@@ -48,8 +66,6 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split the model's reasoning into reasoning_content: a registered reasoning "
                             "parser (built-in: qwen3, deepseek_r1)")
-    parser.set_defaults(func=run)
-    return parser
 
 
 def api_keys_from(args: argparse.Namespace) -> list[str]:
@@ -70,6 +86,56 @@ def check_parser_args(args: argparse.Namespace) -> None:
         parser_class("reasoning_parser", getattr(args, "reasoning_parser", None))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+
+
+def check_vllm_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """vLLM's spellings, settled before the engine starts; a wrong one exits (status 2) under the serve
+    usage line. Fills args.model from --model, args.chat_template with the template's text and
+    args.generation_defaults from a --generation-config FOLDER."""
+    from ..engine_args import generation_config_folder
+    if args.model_flag is not None:
+        if args.model is not None and args.model != args.model_flag:
+            parser.error(f"the model is given twice: {args.model!r} and --model {args.model_flag!r}")
+        args.model = args.model_flag
+    if args.tensor_parallel_size != 1:
+        parser.error(f"--tensor-parallel-size/-tp {args.tensor_parallel_size}: tokenmill runs a model on one "
+                     "device; only 1 is supported")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code: accepted; no remote code is run (tokenmill implements the supported "
+                    "architectures itself)")
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as fh:
+            args.chat_template = fh.read()
+    elif template is not None and not any(tag in template for tag in ("{{", "{%")):
+        parser.error(f"--chat-template {template!r}: no such file (and not a Jinja template)")
+    args.generation_defaults = {}
+    folder = generation_config_folder(args.generation_config)
+    if folder is not None:
+        if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+            parser.error(f"--generation-config {folder!r}: expected auto, vllm, none or a folder with a "
+                         "generation_config.json")
+        from ...core.loaders.hf import read_generation_config
+        args.generation_defaults = read_generation_config(folder)[0]
+
+
+def serving_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's kwargs from the engine args plus the served name and the reasoning parser."""
+    kwargs = engine_kwargs(args)
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name[0]
+    if args.reasoning_parser:   # the engine holds a constraint back until the reasoning is over
+        kwargs["reasoning_parser"] = args.reasoning_parser
+    return kwargs
+
+
+def serving_settings(args: argparse.Namespace, **extra: Any) -> Any:
+    """The ServerSettings the serving code reads (model names, parsers, template, generation defaults)."""
+    from .serving import ServerSettings
+    return ServerSettings(served_model_names=args.served_model_name or [], tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+                          generation_defaults=args.generation_defaults, **extra)
 
 
 def _server_class() -> type:
@@ -116,16 +182,13 @@ def _Server(config: Any, state: Any, drain_timeout: float) -> Any:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .app import ServerSettings, create_app
+    from .app import create_app
     from .engine_client import EngineClient
 
     check_parser_args(args)
-    kwargs = engine_kwargs(args)
+    check_vllm_args(getattr(args, "_cli_parser", None) or argparse.ArgumentParser("tokenmill serve"), args)
+    kwargs = serving_engine_kwargs(args)
     names = args.served_model_name or []
-    if names:
-        kwargs["served_model_name"] = names[0]
-    if args.reasoning_parser:   # the engine holds a constraint back until the reasoning is over
-        kwargs["reasoning_parser"] = args.reasoning_parser
     if args.max_waiting_requests is not None:
         if args.max_waiting_requests < 0:
             raise SystemExit("--max-waiting-requests must be >= 0")
@@ -134,38 +197,43 @@ def run(args: argparse.Namespace) -> int:
     log_level = logging.getLogger().getEffectiveLevel()
 
     client = EngineClient(kwargs, factory=args.engine_factory, log_level=log_level)
-    try:
-        info = client.start(timeout=args.engine_startup_timeout)
-    except KeyboardInterrupt:
-        client.shutdown()
-        return 130
-    except Exception as exc:
-        client.shutdown()
-        logger.error("%s", exc)
-        return 1
-    try:
+    settings = serving_settings(args, api_keys=keys, max_waiting_requests=args.max_waiting_requests,
+                                max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port,
+                                max_stored_responses=args.max_stored_responses, batch_dir=args.batch_dir)
+    server: Any = None
+    failed: list[BaseException] = []
+
+    def on_ready(state: Any) -> None:
+        info = state.info
         logger.info("model %s (served as %s), max_model_len %d", info.model_path or "(default)",
-                    ", ".join(names) if names else info.model_name, info.max_model_len)
+                    ", ".join(state.model_names), info.max_model_len)
         logger.info("platform: %s; attention backend: %s", info.platform, info.attention_backend)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); maximum concurrency for %d-token requests: "
                     "%.2fx; max_num_seqs %d", info.num_kv_blocks, info.block_size, info.num_kv_blocks * info.block_size,
                     info.max_model_len, info.max_concurrency, info.max_num_seqs)
         if keys:
             logger.info("API key required (%d key%s)", len(keys), "" if len(keys) == 1 else "s")
-        settings = ServerSettings(served_model_names=names or [info.model_name], api_keys=keys,
-                                  max_waiting_requests=args.max_waiting_requests,
-                                  max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port,
-                                  tool_call_parser=args.tool_call_parser,
-                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                  reasoning_parser=args.reasoning_parser)
-        app = create_app(client, settings)
+        logger.info("ready: OpenAI-compatible API for model %r at http://%s:%d/v1", state.model_name,
+                    args.host, args.port)
+
+    def on_failed(exc: BaseException) -> None:
+        if not client.is_closing:   # not merely Ctrl-C during the load
+            logger.error("%s", exc)
+            failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        # The HTTP server answers at once (/health/live; 503 on /health/ready) while the model loads.
+        app = create_app(client, settings, startup_timeout=args.engine_startup_timeout, on_ready=on_ready,
+                         on_failed=on_failed)
         # uvicorn's own deadline is a backstop: the app aborts what is left after --shutdown-timeout itself.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=max(log_level, logging.INFO),
                                 access_log=not args.disable_access_log,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
         server = _Server(config, app.state, args.shutdown_timeout)
         server.run()
-        return 0
+        return 1 if failed else 0
     finally:
         client.shutdown()
         logger.info("server stopped")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
@@ -47,6 +48,19 @@ class ServerSettings:
     tool_call_parser: Optional[str] = None      # a registered tool parser's name (chat_output.py)
     enable_auto_tool_choice: bool = False       # tool_choice "auto" reads tool calls with it
     reasoning_parser: Optional[str] = None
+    chat_template: Optional[str] = None         # --chat-template: replaces the tokenizer's own
+    generation_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config FOLDER
+    max_stored_responses: int = 1000            # /v1/responses kept for previous_response_id (LRU)
+    batch_dir: Optional[str] = None             # /v1/files, /v1/batches state (None: ~/.cache/tokenmill/batches)
+
+
+# A GGUF file's quantization suffix: SmolLM2-135M-Instruct.Q4_1, Llama-3.2-1B-Q4_K_M, x-f16, x.BF16, x-IQ3_XXS.
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d+(?:_[0-9A-Z]+)*|TQ\d_\d|B?F16|F32|MXFP4)$", re.IGNORECASE)
+
+
+def default_served_name(model_name: str) -> str:
+    """The name a model is served as without --served-model-name: its stem, less a quantization suffix."""
+    return _QUANT_SUFFIX.sub("", model_name) or model_name
 
 
 class ServerState:
@@ -58,8 +72,12 @@ class ServerState:
         self.settings = settings
         self.info = client.info
         self.tokenizer = client.tokenizer
-        self.model_name = settings.served_model_names[0] if settings.served_model_names else client.info.model_name
+        if settings.chat_template is not None:     # the server's own copy of the tokenizer
+            self.tokenizer.chat_template = settings.chat_template
+        self.model_name = (settings.served_model_names[0] if settings.served_model_names
+                           else default_served_name(client.info.model_name))
         self.model_names = settings.served_model_names or [self.model_name]
+        self.shutting_down = False
         self.metrics = ServerMetrics(self.model_name)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
@@ -70,6 +88,7 @@ class ServerState:
     async def drain(self, timeout: float) -> None:
         """On shutdown: let in-flight requests finish for `timeout` seconds, then abort the rest (their
         streams end with an error event, non-streamed ones get a 503)."""
+        self.shutting_down = True
         deadline = time.monotonic() + timeout
         while self.client.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -145,6 +164,21 @@ class Choice:
         self.lp: Any = None       # accumulated logprobs (format depends on the route)
         self.offset = 0           # text offset for completions logprobs
 
+    def absorb_first(self, delta: Any) -> tuple[str, bool]:
+        """Fold one engine delta's first choice (index 0) into this one: (its new text, whether
+        it finished). The single-answer routes (Messages, Responses) use it as their collector."""
+        text, done = "", False
+        for c in delta.outputs:
+            if c.index != 0:
+                continue
+            if c.text:
+                self.text.append(c.text)
+                text += c.text
+            self.num_tokens += len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reason, self.stop_reason, done = c.finish_reason, c.stop_reason, True
+        return text, done
+
 
 # ================================================================================== request group
 class _Sub:
@@ -178,6 +212,11 @@ class RequestGroup:
                      for i in range(len(prompts))]
         self.num_unfinished = len(self.subs)
         self.closed = False
+        if state.settings.generation_defaults:     # --generation-config FOLDER: for what the request left unset
+            try:
+                params = params.with_generation_defaults(state.settings.generation_defaults)
+            except ValueError as exc:
+                raise E.from_exception(exc, rename) from None
         try:
             state.client.add([(s.request_id, {"prompt_token_ids": ids}, params, s)
                               for s, ids in zip(self.subs, prompts)], priority)
@@ -263,14 +302,13 @@ async def collect(request: Request, group: RequestGroup, absorb: Absorb) -> bool
     return True
 
 
-async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any], include_usage: bool,
-                 opening: Callable[[], list[dict[str, Any]]], absorb: Absorb, shape: Callable[..., dict[str, Any]],
-                 usage: Callable[[], dict[str, Any]]) -> Response:
-    """Streamed: an SSE response of chunks `{**head, "choices": [choice]}` — first the `opening()` choices,
-    then `shape(*event)` for every event `absorb` reports (None: no chunk), then (with include_usage) a usage
-    chunk, then [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
-    the client disconnects."""
-    try:   # wait for the first output, so that errors the engine finds are still a plain HTTP error
+async def open_stream(request: Request, group: RequestGroup,
+                      events: Callable[[Optional[tuple[int, RequestDelta]]], AsyncIterator[str]],
+                      on_error: Callable[[E.APIError], Iterable[str]]) -> Response:
+    """An SSE response whose body is `events(first)`, `first` being the group's first output: it is awaited
+    before the headers go out, so that errors the engine finds are still a plain HTTP error. An API error
+    later becomes the events `on_error(err)`. The group is closed when the stream ends or the client leaves."""
+    try:
         first = await race_disconnect(request, group.next())
     except ClientGone:
         group.close()
@@ -279,30 +317,43 @@ async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any],
         group.close()
         raise
 
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for piece in events(first):
+                yield piece
+        except E.APIError as err:
+            for piece in on_error(err):
+                yield piece
+        finally:
+            group.close()
+
+    return SSEResponse(body(), group.close)
+
+
+async def stream(request: Request, group: RequestGroup, *, head: dict[str, Any], include_usage: bool,
+                 opening: Callable[[], list[dict[str, Any]]], absorb: Absorb, shape: Callable[..., dict[str, Any]],
+                 usage: Callable[[], dict[str, Any]]) -> Response:
+    """Streamed: an SSE response of chunks `{**head, "choices": [choice]}` — first the `opening()` choices,
+    then `shape(*event)` for every event `absorb` reports (None: no chunk), then (with include_usage) a usage
+    chunk, then [DONE]. An API error mid-stream becomes an error event. The group is closed when the stream ends or
+    the client disconnects."""
     def chunk(choice: dict[str, Any]) -> str:
         obj = {**head, "choices": [choice]}
         if include_usage:
             obj["usage"] = None
         return sse(obj)
 
-    async def events() -> AsyncIterator[str]:
-        try:
-            for choice in opening():     # called once the engine accepted the request
-                yield chunk(choice)
-            item = first
-            while item is not None:
-                for event in absorb(*item):
-                    choice = shape(*event)
-                    if choice is not None:      # None: nothing a client would see (text held back)
-                        yield chunk(choice)
-                item = await group.next()
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage()})
-            yield SSE_DONE
-        except E.APIError as err:
-            yield err.sse()
-            yield SSE_DONE
-        finally:
-            group.close()
+    async def events(item: Optional[tuple[int, RequestDelta]]) -> AsyncIterator[str]:
+        for choice in opening():     # called once the engine accepted the request
+            yield chunk(choice)
+        while item is not None:
+            for event in absorb(*item):
+                choice = shape(*event)
+                if choice is not None:      # None: nothing a client would see (text held back)
+                    yield chunk(choice)
+            item = await group.next()
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage()})
+        yield SSE_DONE
 
-    return SSEResponse(events(), group.close)
+    return await open_stream(request, group, events, lambda err: (err.sse(), SSE_DONE))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastapi import Request
@@ -173,27 +174,51 @@ def streamed_choice(index: int, text: str, lp: Any, finish: Optional[str], stop_
     return choice
 
 
-async def create_chat_completion(state: ServerState, request: Request) -> Response:
-    arrival = time.monotonic()
-    req = parse(ChatCompletionRequest, await read_json(request))
-    model = state.check_model(req.model)
+@dataclass
+class ChatPlan:
+    """A chat request made ready for the engine: the prompt's token ids, the SamplingParams, the engine's
+    parameter names as the route calls them, top_logprobs' k (None: no logprobs), and the parsers that
+    read each choice's output (None: plain text). Shared by /v1/chat/completions, /v1/messages and
+    /v1/responses, which convert their bodies to a ChatCompletionRequest first."""
+    ids: list[int]
+    params: Any
+    rename: dict[str, str]
+    k: Optional[int]
+    outputs: Optional[list[ChatChoiceOutput]]
+
+
+def plan_chat(state: ServerState, req: ChatCompletionRequest, rename: Optional[dict[str, str]] = None,
+              structured_param: str = "response_format") -> ChatPlan:
+    """Check `req`, render its prompt, build its SamplingParams. `rename` adds to the engine → route
+    parameter names; `structured_param` is what a refused response_format is called."""
     k = _check(req, state.settings.enable_auto_tool_choice)
     ids = chat_prompt(state.tokenizer, req.messages, req.tools, bool(req.add_generation_prompt),
                       bool(req.continue_final_message), req.chat_template_kwargs)
     # The engine's names for what this route calls "messages" and (when used) max_completion_tokens.
-    rename = {"prompt": "messages"}
+    names = {"prompt": "messages"}
     if req.max_completion_tokens is not None:
-        rename["max_tokens"] = "max_completion_tokens"
+        names["max_tokens"] = "max_completion_tokens"
+    names.update(rename or {})
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # None: until the context is full (the engine knows how far that is).
     extra: dict[str, Any] = {}
     structured = from_response_format(req.response_format)
     if structured is not None:     # the engine's errors about it name response_format
-        extra["structured_outputs"], rename["structured_outputs"] = structured, "response_format"
+        extra["structured_outputs"], names["structured_outputs"] = structured, structured_param
     elif is_forced(req.tool_choice):   # the tools' schemas, enforced; a schema the backend refuses names tools
         schema = forced_schema(req.tools, req.tool_choice, req.parallel_tool_calls)
-        extra["structured_outputs"], rename["structured_outputs"] = {"json": schema}, "tools"
-    params = build_params(req, k, rename, max_tokens=requested, **extra)
+        extra["structured_outputs"], names["structured_outputs"] = {"json": schema}, "tools"
+    params = build_params(req, k, names, max_tokens=requested, **extra)
+    n = req.n if req.n is not None else 1
+    return ChatPlan(ids, params, names, k, choice_outputs(state, req, n))
+
+
+async def create_chat_completion(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = parse(ChatCompletionRequest, await read_json(request))
+    model = state.check_model(req.model)
+    plan = plan_chat(state, req)
+    ids, params, rename, k, outputs = plan.ids, plan.params, plan.rename, plan.k, plan.outputs
     n = req.n if req.n is not None else 1
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -201,7 +226,6 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     fmt = _LogprobsFormatter(state, k, bool(req.return_tokens_as_token_ids))
     created = int(time.time())
     choices = [Choice() for _ in range(n)]
-    outputs = choice_outputs(state, req, n)
 
     def absorb(_sub: int, d: RequestDelta) -> list[Event]:
         """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""

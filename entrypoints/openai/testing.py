@@ -10,7 +10,8 @@ ids from a seeded RNG (greedy: a fixed function of the prompt), one token per st
 with the scheduler's shape: at most max_num_seqs running, the rest waiting; KV blocks counted per
 sequence. TOKENMILL_FAKE_STEP_S sets the time one step takes (default 0.01 s). TOKENMILL_FAKE_SCRIPT
 makes every sequence "generate" that text instead (its token ids, then EOS): how the server tests get
-tool calls and reasoning out of it.
+tool calls and reasoning out of it. TOKENMILL_FAKE_LOAD_S makes "loading the model" take that long
+(the readiness tests).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import time
 from typing import Any, Iterable, Optional
 
 from ...core.detokenizer import IncrementalDetokenizer
+from ...core.loaders.model_source import resolve_model_source
 from ...core.errors import RequestError
 from ...core.outputs import CompletionDelta, EngineStats, RequestDelta, RequestMetrics
 
@@ -71,11 +73,14 @@ def _load_tokenizer(model: Optional[str], tokenizer: Optional[str]) -> Any:
 class FakeEngine:
     def __init__(self, config: Any) -> None:
         self.config = config
+        time.sleep(float(os.environ.get("TOKENMILL_FAKE_LOAD_S", "0")))
         self.tokenizer = _load_tokenizer(config.model.model, config.model.tokenizer)
         config.finalize(8192)
         self.max_model_len = config.model.max_model_len
         self.vocab_size = len(self.tokenizer)
-        self.model_name = config.model.served_model_name or "fake"
+        # as the engine names it: the model file's stem (the server drops a quantization suffix)
+        path = os.path.basename(str(resolve_model_source(config.model.model).path).rstrip("/"))
+        self.model_name = config.model.served_model_name or (path[:-5] if path.endswith(".gguf") else path)
         self.platform = _Platform()
         self.attention_backend_name = "none"
         self.block_size = config.cache.block_size
@@ -242,7 +247,7 @@ class ServerProcess:
     """
 
     def __init__(self, args: list[str], env: Optional[dict[str, str]] = None, startup_timeout: float = 240.0,
-                 fake_engine: bool = False) -> None:
+                 fake_engine: bool = False, wait_for: str = "/health") -> None:
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -252,6 +257,7 @@ class ServerProcess:
             self.args += ["--engine-factory", "tokenmill.entrypoints.openai.testing:FakeEngine"]
         self.env = dict(os.environ, **(env or {}))
         self.startup_timeout = startup_timeout
+        self.wait_for = wait_for     # the route whose 200 means "started" (/health/live: before the model loads)
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: Any = None
         self._log: Any = None
@@ -279,7 +285,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tokenmill serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                if httpx.get(self.url + self.wait_for, timeout=2.0).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

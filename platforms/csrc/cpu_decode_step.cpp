@@ -1,0 +1,439 @@
+// The cpu platform's fused decode step (platforms/cpu_fused_decode.py): one call runs a whole
+// pre-norm Llama-style decoder for a few decoding tokens — embedding, then per layer RMSNorm,
+// QKV matmul (+ bias, + per-head q/k norm), rotary embedding, paged attention (the attention
+// backend's own kernel, through a function pointer with the ABI of
+// attention_backends/interface.py NATIVE_DECODE_ABI), O projection + residual, RMSNorm,
+// gate/up matmul, SiLU-and-multiply, down projection + residual — and the final norm.
+//
+// Why: a one-token step through torch is ~1,300 small ops, ctypes calls and Python across 30
+// layers, more time than the arithmetic. Here the Python side makes one call per step.
+//
+// Weights, re-laid out once by the Python side, in blocks of 16 output rows so one 512-bit
+// register holds one value for each of 16 rows (no horizontal sums):
+//  * Q4 (quantization="int4"): per group of 32 inputs, w = scale * q + low, q in 0..15. Per
+//    (row block, group): 4 x 64 bytes, vector j holding for each row r the 4 inputs of chunk 2j
+//    (low nibbles) and chunk 2j + 1 (high nibbles); scales and lows as fp16 [block][group][16].
+//    The activation is quantized per 32 inputs to int8 (scale sa, as llama.cpp's Q8 operand),
+//    so a group is 8 VNNI u8 x s8 dot products: y += scale*sa*sum(q*a8) + low*sa*sum(a8).
+//  * Q8 (the LM head under quantization="int4"): w = scale * w8 per group of 32, w8 signed,
+//    [block][group][8 chunks][16 rows][4]; the activation as u8 = a8 + 128 (VNNI multiplies u8 by
+//    s8), so y += scale*sa*dot(u8, w8) - sa * (128 * scale * sum(w8)).
+//  * BF16 (dtype=bfloat16): [block][K/2][16][2] bf16 pairs, the activation rounded to bf16,
+//    AVX512-BF16 dot products accumulating in float32.
+// Plain C++ with OpenMP and intrinsics, no torch headers (built by platforms/native_build.py).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t kRows = 16;     // output rows per block
+constexpr int64_t kGroup = 32;    // Q4 group along the input
+constexpr int64_t kTok = 8;       // tokens sharing one pass over a weight block
+
+typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
+                         const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
+                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                         int64_t block_size, int64_t num_blocks, float scale, int64_t window);
+
+}  // namespace
+
+extern "C" {
+
+struct FusedLinear {
+  int64_t kind;             // 0 = Q4, 1 = BF16, 2 = Q8
+  int64_t n, k;             // output rows (multiple of 16), inputs (multiple of 32)
+  const uint8_t* weight;
+  const uint16_t* scales;   // Q4, Q8: fp16 [n/16][k/32][16]
+  const uint16_t* lows;     // Q4: fp16 lows; Q8: float32 128 * scale * sum(w8) of the group
+  const float* bias;        // [n] or null
+};
+
+struct FusedLayer {
+  const float* input_norm;
+  const float* post_norm;
+  const float* q_norm;      // [head_size] or null (Qwen3)
+  const float* k_norm;
+  FusedLinear qkv, o, gate_up, down;
+  void* kv_cache;
+  int64_t window;           // sliding window, 0 = none
+};
+
+struct FusedModel {
+  int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_size;
+  int64_t num_blocks, block_size;
+  float eps, attn_scale;
+  const void* embedding;    // [vocab, hidden]
+  int64_t embedding_bf16;
+  const float* final_norm;
+  const float* cos_sin;     // [positions, head_size]: cos | sin
+  const FusedLayer* layers;
+  void* attend;             // AttendFn
+};
+
+}  // extern "C"
+
+namespace {
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Per-token scratch: the activation in the form a matmul reads.
+struct QuantizedInput {
+  std::vector<int8_t> q;        // [tokens, k]
+  std::vector<uint8_t> qu;      // [tokens, k]: q + 128
+  std::vector<float> scale;     // [tokens, k/32]: sa
+  std::vector<float> offset;    // [tokens, k/32]: sa * sum(a8)
+  std::vector<uint16_t> bf16;   // [tokens, k]
+};
+
+void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) {
+  const int64_t groups = k / kGroup;
+  in.q.resize(tokens * k);
+  in.qu.resize(tokens * k);
+  in.scale.resize(tokens * groups);
+  in.offset.resize(tokens * groups);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = x + t * k + g * kGroup;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float sa = amax / 127.0f;
+      const float inv = sa > 0.0f ? 1.0f / sa : 0.0f;
+      int8_t* dst = in.q.data() + t * k + g * kGroup;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
+        dst[i] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      uint8_t* dst_u = in.qu.data() + t * k + g * kGroup;
+      for (int64_t i = 0; i < kGroup; ++i) dst_u[i] = static_cast<uint8_t>(dst[i] ^ 0x80);
+      in.scale[t * groups + g] = sa;
+      in.offset[t * groups + g] = sa * static_cast<float>(sum);
+    }
+}
+
+void round_bf16(const float* x, int64_t count, QuantizedInput& in) {
+  in.bf16.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &x[i], sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);          // round to nearest even, as torch does
+    in.bf16[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasQ4 = true;
+
+// y[t, rows of block b] for up to kTok tokens.
+template <int T>
+inline void q4_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                     int64_t y_stride) {
+  const int64_t groups = w.k / kGroup;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* wb = w.weight + b * groups * 256;
+  const uint16_t* sb = w.scales + b * groups * kRows;
+  const uint16_t* lb = w.lows + b * groups * kRows;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i wv[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(wb + g * 256 + j * 64);
+      wv[2 * j] = _mm512_and_si512(v, nibble);
+      wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * kRows)));
+    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lb + g * kRows)));
+    for (int t = 0; t < T; ++t) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * w.k + g * kGroup);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        even = _mm512_dpbusd_epi32(even, wv[c], _mm512_set1_epi32(a[c]));
+        odd = _mm512_dpbusd_epi32(odd, wv[c + 1], _mm512_set1_epi32(a[c + 1]));
+      }
+      const float sa = in.scale[(t0 + t) * groups + g];
+      const float off = in.offset[(t0 + t) * groups + g];
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
+      acc[t] = _mm512_fmadd_ps(low, _mm512_set1_ps(off), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
+}
+
+template <int T>
+inline void q8_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                     int64_t y_stride) {
+  const int64_t groups = w.k / kGroup;
+  const uint8_t* wb = w.weight + b * groups * 512;
+  const uint16_t* sb = w.scales + b * groups * kRows;
+  const float* cb = reinterpret_cast<const float*>(w.lows) + b * groups * kRows;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * kRows)));
+    const __m512 corr = _mm512_loadu_ps(cb + g * kRows);   // float32: it cancels a large term
+    for (int t = 0; t < T; ++t) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(in.qu.data() + (t0 + t) * w.k + g * kGroup);
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(a[c]), _mm512_loadu_si512(wb + g * 512 + c * 64));
+        odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(a[c + 1]), _mm512_loadu_si512(wb + g * 512 + c * 64 + 64));
+      }
+      const float sa = in.scale[(t0 + t) * groups + g];
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
+      acc[t] = _mm512_fnmadd_ps(corr, _mm512_set1_ps(sa), acc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
+}
+#else
+constexpr bool kHasQ4 = false;
+template <int T>
+inline void q4_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
+template <int T>
+inline void q8_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
+#endif
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16 = true;
+
+template <int T>
+inline void bf16_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                       int64_t y_stride) {
+  const int64_t pairs = w.k / 2;
+  const uint8_t* wb = w.weight + b * pairs * 64;
+  // Two accumulators per token: the dot products' latency, not their count, bounds one row block.
+  __m512 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p += 2) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wb + (p + 1) * 64);
+    for (int t = 0; t < T; ++t) {
+      const int32_t* a = reinterpret_cast<const int32_t*>(in.bf16.data() + (t0 + t) * w.k);
+      acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w0, (__m512bh)_mm512_set1_epi32(a[p]));
+      acc[t][1] = _mm512_dpbf16_ps(acc[t][1], w1, (__m512bh)_mm512_set1_epi32(a[p + 1]));
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, _mm512_add_ps(acc[t][0], acc[t][1]));
+}
+#else
+constexpr bool kHasBf16 = false;
+template <int T>
+inline void bf16_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
+#endif
+
+template <int T>
+inline void any_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y) {
+  if (w.kind == 0)
+    q4_block<T>(w, b, in, t0, y, w.n);
+  else if (w.kind == 2)
+    q8_block<T>(w, b, in, t0, y, w.n);
+  else
+    bf16_block<T>(w, b, in, t0, y, w.n);
+}
+
+// y [tokens, n] = x [tokens, k] W^T (+ bias), threads over row blocks.
+void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, QuantizedInput& in) {
+  if (w.kind != 1)
+    quantize_q8(x, tokens, w.k, in);
+  else
+    round_bf16(x, tokens * w.k, in);
+  const int64_t blocks = w.n / kRows;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t t0 = 0;
+    for (; t0 + kTok <= tokens; t0 += kTok) any_block<kTok>(w, b, in, t0, y);
+    switch (tokens - t0) {
+      case 7: any_block<7>(w, b, in, t0, y); break;
+      case 6: any_block<6>(w, b, in, t0, y); break;
+      case 5: any_block<5>(w, b, in, t0, y); break;
+      case 4: any_block<4>(w, b, in, t0, y); break;
+      case 3: any_block<3>(w, b, in, t0, y); break;
+      case 2: any_block<2>(w, b, in, t0, y); break;
+      case 1: any_block<1>(w, b, in, t0, y); break;
+      default: break;
+    }
+  }
+  if (w.bias)
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = 0; i < w.n; ++i) y[t * w.n + i] += w.bias[i];
+}
+
+void rms_norm(const float* x, const float* weight, float eps, int64_t cols, float* out) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < cols; ++c) ss += x[c] * x[c];
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) out[c] = x[c] * inv * weight[c];
+}
+
+void rope(float* x, const float* cos_sin, int64_t head_size) {
+  const int64_t half = head_size / 2;
+  const float* sn = cos_sin + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    x[i] = x1 * cos_sin[i] - x2 * sn[i];
+    x[half + i] = x2 * cos_sin[i] + x1 * sn[i];
+  }
+}
+
+struct Scratch {
+  std::vector<float> residual, normed, qkv, q, k, v, attn, proj, gate_up, act;
+  QuantizedInput in;
+};
+
+}  // namespace
+
+extern "C" {
+
+int tokenmill_kernels_abi_version() { return 1; }
+
+// Bit 0: Q4 matmuls run here (AVX512-VNNI); bit 1: BF16 matmuls (AVX512-BF16).
+int64_t fused_decode_caps() { return (kHasQ4 ? 1 : 0) | (kHasBf16 ? 2 : 0); }
+
+// The machine's int8 peak as the matmuls here could reach it: every thread runs `iterations` x 16
+// independent AVX512-VNNI dot products (64 u8 x s8 multiply-adds each) on registers only. Returns
+// the number of threads that ran; the caller times the call (ops = 2 * 64 * 16 * iterations * threads).
+int64_t vnni_peak_loop(int64_t iterations) {
+  int64_t threads = 1;
+#if defined(__AVX512VNNI__)
+#pragma omp parallel
+  {
+#pragma omp single
+    threads = omp_get_num_threads();
+    // Named registers, not an array: an array would live on the stack, each step a load and a store.
+    __m512i c0 = _mm512_set1_epi32(0), c1 = _mm512_set1_epi32(1), c2 = _mm512_set1_epi32(2),
+            c3 = _mm512_set1_epi32(3), c4 = _mm512_set1_epi32(4), c5 = _mm512_set1_epi32(5),
+            c6 = _mm512_set1_epi32(6), c7 = _mm512_set1_epi32(7), c8 = _mm512_set1_epi32(8),
+            c9 = _mm512_set1_epi32(9), c10 = _mm512_set1_epi32(10), c11 = _mm512_set1_epi32(11),
+            c12 = _mm512_set1_epi32(12), c13 = _mm512_set1_epi32(13), c14 = _mm512_set1_epi32(14),
+            c15 = _mm512_set1_epi32(15);
+    const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    for (int64_t it = 0; it < iterations; ++it) {
+#define TM_DP(x) x = _mm512_dpbusd_epi32(x, a, b)
+      TM_DP(c0); TM_DP(c1); TM_DP(c2); TM_DP(c3); TM_DP(c4); TM_DP(c5); TM_DP(c6); TM_DP(c7);
+      TM_DP(c8); TM_DP(c9); TM_DP(c10); TM_DP(c11); TM_DP(c12); TM_DP(c13); TM_DP(c14); TM_DP(c15);
+#undef TM_DP
+      // Keeps the compiler from folding the loop into a closed form.
+      __asm__ volatile("" : "+v"(c0), "+v"(c1), "+v"(c2), "+v"(c3), "+v"(c4), "+v"(c5), "+v"(c6), "+v"(c7));
+      __asm__ volatile("" : "+v"(c8), "+v"(c9), "+v"(c10), "+v"(c11), "+v"(c12), "+v"(c13), "+v"(c14), "+v"(c15));
+    }
+    __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c0, c1), _mm512_add_epi32(c2, c3)),
+                                   _mm512_add_epi32(_mm512_add_epi32(c4, c5), _mm512_add_epi32(c6, c7)));
+    sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(c8, c9), _mm512_add_epi32(c10, c11)),
+                                                 _mm512_add_epi32(_mm512_add_epi32(c12, c13), _mm512_add_epi32(c14, c15))));
+    volatile int sink = _mm512_reduce_add_epi32(sum);
+    (void)sink;
+  }
+#endif
+  return threads;
+}
+
+// y [tokens, n] float32 = x [tokens, k] float32 times one of the layouts above (the LM head's
+// kernel under quantization="int4"; any number of tokens).
+void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y) {
+  thread_local QuantizedInput in;
+  matmul(*w, x, tokens, y, in);
+}
+
+// One decode step for `tokens` sequences, one new token each: ids/positions/slots [tokens],
+// tables [tokens, table_stride] and lens [tokens] as in attention metadata. out [tokens, hidden]
+// after the final norm, float32 (out_bf16 = 0) or bfloat16.
+void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* positions, const int64_t* slots,
+                       const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t tokens, void* out,
+                       int64_t out_bf16) {
+  thread_local Scratch s;   // reused, so a step allocates nothing once warm
+  const int64_t hidden = m->hidden, hd = m->head_size;
+  const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  s.residual.resize(tokens * hidden);
+  s.normed.resize(tokens * hidden);
+  s.qkv.resize(tokens * qkv_size);
+  s.q.resize(tokens * q_size);
+  s.k.resize(tokens * kv_size);
+  s.v.resize(tokens * kv_size);
+  s.attn.resize(tokens * q_size);
+  s.proj.resize(tokens * hidden);
+  s.gate_up.resize(tokens * 2 * m->intermediate);
+  s.act.resize(tokens * m->intermediate);
+  AttendFn attend = reinterpret_cast<AttendFn>(m->attend);
+
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* dst = s.residual.data() + t * hidden;
+    if (m->embedding_bf16) {
+      const uint16_t* row = static_cast<const uint16_t*>(m->embedding) + ids[t] * hidden;
+      for (int64_t c = 0; c < hidden; ++c) dst[c] = bf16_to_f32(row[c]);
+    } else {
+      std::memcpy(dst, static_cast<const float*>(m->embedding) + ids[t] * hidden, hidden * sizeof(float));
+    }
+  }
+  for (int64_t l = 0; l < m->num_layers; ++l) {
+    const FusedLayer& layer = m->layers[l];
+    for (int64_t t = 0; t < tokens; ++t)
+      rms_norm(s.residual.data() + t * hidden, layer.input_norm, m->eps, hidden, s.normed.data() + t * hidden);
+    matmul(layer.qkv, s.normed.data(), tokens, s.qkv.data(), s.in);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* row = s.qkv.data() + t * qkv_size;
+      float* q = s.q.data() + t * q_size;
+      float* k = s.k.data() + t * kv_size;
+      std::memcpy(q, row, q_size * sizeof(float));
+      std::memcpy(k, row + q_size, kv_size * sizeof(float));
+      std::memcpy(s.v.data() + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
+      const float* cs = m->cos_sin + positions[t] * hd;
+      for (int64_t h = 0; h < m->num_heads; ++h) {
+        if (layer.q_norm) rms_norm(q + h * hd, layer.q_norm, m->eps, hd, q + h * hd);
+        rope(q + h * hd, cs, hd);
+      }
+      for (int64_t h = 0; h < m->num_kv_heads; ++h) {
+        if (layer.k_norm) rms_norm(k + h * hd, layer.k_norm, m->eps, hd, k + h * hd);
+        rope(k + h * hd, cs, hd);
+      }
+    }
+    attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, slots, tables, table_stride, lens, s.attn.data(),
+           tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, m->attn_scale, layer.window);
+    matmul(layer.o, s.attn.data(), tokens, s.proj.data(), s.in);
+    for (int64_t i = 0; i < tokens * hidden; ++i) s.residual[i] += s.proj[i];
+    for (int64_t t = 0; t < tokens; ++t)
+      rms_norm(s.residual.data() + t * hidden, layer.post_norm, m->eps, hidden, s.normed.data() + t * hidden);
+    matmul(layer.gate_up, s.normed.data(), tokens, s.gate_up.data(), s.in);
+    const int64_t inter = m->intermediate;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* gate = s.gate_up.data() + t * 2 * inter;
+      const float* up = gate + inter;
+      float* a = s.act.data() + t * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+    matmul(layer.down, s.act.data(), tokens, s.proj.data(), s.in);
+    for (int64_t i = 0; i < tokens * hidden; ++i) s.residual[i] += s.proj[i];
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    rms_norm(s.residual.data() + t * hidden, m->final_norm, m->eps, hidden, s.normed.data() + t * hidden);
+    if (out_bf16) {
+      round_bf16(s.normed.data() + t * hidden, hidden, s.in);
+      std::memcpy(static_cast<uint16_t*>(out) + t * hidden, s.in.bf16.data(), hidden * sizeof(uint16_t));
+    } else {
+      std::memcpy(static_cast<float*>(out) + t * hidden, s.normed.data() + t * hidden, hidden * sizeof(float));
+    }
+  }
+}
+
+}  // extern "C"

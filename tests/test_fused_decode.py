@@ -1,0 +1,219 @@
+"""The cpu platform's fused decode step (platforms/cpu_fused_decode.py): its matmul layouts agree
+with a torch emulation of their numerics; a whole decode step agrees with the eager model on every
+architecture; the engine falls back to eager, saying why, where the step cannot run."""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import pytest
+import torch
+
+from model_helpers import save_tiny_checkpoint
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.platforms import cpu_fused_decode as fused
+from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
+
+pytestmark = pytest.mark.skipif(fused.NativeHeadKernel.available() is not None,
+                                reason=f"fused decode kernels unavailable: {fused.NativeHeadKernel.available()}")
+
+
+def _q8_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's activation operand: int8 per 32 inputs, scale amax / 127."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    sa = groups.abs().amax(dim=-1) / 127
+    a8 = torch.round(groups / torch.where(sa > 0, sa, torch.ones_like(sa)).unsqueeze(-1))
+    return a8, sa
+
+
+def _run(linear: "fused._Linear", x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty((x.shape[0], linear.n), dtype=torch.float32)
+    fused.LIBRARY.require().fused_matmul(ctypes.byref(linear), x.data_ptr(), x.shape[0], y.data_ptr())
+    return y
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 7])
+def test_q4_matmul_is_scale_q_plus_low_times_q8_activations(tokens):
+    torch.manual_seed(0)
+    n, k = 48, 96
+    weight = torch.randn(n, k)
+    q, scale, low = CpuInt4Quantization.quantize(weight, bf16_params=True)
+    packed = fused.pack_q4(q.to(torch.uint8), scale, low)
+    linear = fused._Linear(kind=fused.Q4, n=n, k=k, weight=packed[0].data_ptr(), scales=packed[1].data_ptr(),
+                           lows=packed[2].data_ptr(), bias=None)
+    x = torch.randn(tokens, k)
+    a8, sa = _q8_activation(x)
+    s16, l16 = scale.half().float(), low.half().float()                  # the kernel keeps them in fp16
+    dots = torch.einsum("ngk,tgk->tng", q.reshape(n, -1, 32).float(), a8)
+    expected = (dots * s16 * sa.unsqueeze(1) + l16 * (sa * a8.sum(-1)).unsqueeze(1)).sum(-1)
+    torch.testing.assert_close(_run(linear, x), expected, rtol=1e-4, atol=1e-4)
+    # And it is a close approximation of the 4-bit weights times the exact activations.
+    dense = x @ CpuInt4Quantization.dequantize(q, scale, low).t()
+    assert (_run(linear, x) - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 9, 16])
+def test_q8_head_matches_int8_groups(tokens):
+    torch.manual_seed(1)
+    n, k = 64, 64
+    weight = torch.randn(n, k)
+    kernel = fused.NativeHeadKernel("q8")
+    prepared = kernel.prepare(weight)
+    x = torch.randn(tokens, k)
+    groups = weight.reshape(n, -1, 32)
+    scale = (groups.abs().amax(-1) / 127).half().float()
+    w8 = torch.round(groups / scale.unsqueeze(-1)).clamp(-127, 127)
+    a8, sa = _q8_activation(x)
+    expected = (torch.einsum("ngk,tgk->tng", w8, a8) * scale * sa.unsqueeze(1)).sum(-1)
+    torch.testing.assert_close(kernel(x, prepared, None), expected, rtol=1e-4, atol=1e-4)
+    assert (kernel(x, prepared, None) - x @ weight.t()).abs().max() < 0.02 * (x @ weight.t()).abs().max()
+    # Shapes outside the blocks, bf16 inputs and more rows than max_rows go back to the layer's
+    # own method.
+    assert kernel(x, kernel.prepare(torch.randn(40, 64)), None) is NotImplemented
+    assert kernel(x.bfloat16(), prepared, None) is NotImplemented
+    assert kernel(torch.randn(kernel.max_rows + 1, k), prepared, None) is NotImplemented
+
+
+@pytest.mark.skipif(not fused.LIBRARY.require().fused_decode_caps() & 2, reason="no AVX512-BF16")
+@pytest.mark.parametrize("tokens", [1, 4, 6])
+def test_bf16_matmul_matches_bf16_operands(tokens):
+    torch.manual_seed(2)
+    n, k = 32, 64
+    weight = torch.randn(n, k)
+    packed = fused.pack_bf16(weight)
+    linear = fused._Linear(kind=fused.BF16, n=n, k=k, weight=packed.data_ptr())
+    x = torch.randn(tokens, k)
+    expected = x.bfloat16().float() @ weight.bfloat16().float().t()
+    torch.testing.assert_close(_run(linear, x), expected, rtol=1e-5, atol=1e-5)
+    head = fused.NativeHeadKernel("bf16")
+    torch.testing.assert_close(head(x.bfloat16(), head.prepare(weight.bfloat16()), None), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def _decode_both_ways(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states of one decode step after `prompt`, through the fused step and eagerly,
+    from the same KV cache state."""
+    from tokenmill.attention_backends.interface import build_metadata
+
+    runner = llm.engine.runner
+    assert hasattr(runner.forward, "fused_step"), "the engine did not take the fused decode path"
+    n = len(prompt) + 1
+    blocks = list(range((n + runner.block_size - 1) // runner.block_size))
+    with torch.inference_mode():
+        prefill = build_metadata([n - 1], [n - 1], [blocks], runner.block_size)
+        runner.forward(torch.tensor(prompt), torch.arange(n - 1), prefill)     # eager: a prefill
+        decode = build_metadata([1], [n], [blocks], runner.block_size, num_decodes=1)
+        ids, pos = torch.tensor([prompt[-1]]), torch.tensor([n - 1])
+        fused_out = runner.forward(ids, pos, decode)
+        eager_out = runner._forward_eager(ids, pos, decode)
+    return fused_out.float(), eager_out.float()
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {}), ("llama", {"vocab_size": 1024, "tie_word_embeddings": True}), ("mistral", {"sliding_window": 8}),
+    ("qwen2", {}), ("qwen3", {}),
+])
+@pytest.mark.parametrize("mode", ["int4", "bfloat16"])
+def test_fused_step_agrees_with_the_eager_model(kind, overrides, mode, tmp_path):
+    if mode == "bfloat16" and not fused.LIBRARY.require().fused_decode_caps() & 2:
+        pytest.skip("no AVX512-BF16")
+    save_tiny_checkpoint(kind, str(tmp_path), **overrides)
+    kwargs = dict(quantization="int4", kv_cache_dtype="bfloat16") if mode == "int4" else dict(dtype="bfloat16")
+    llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, generation_config="none", **kwargs)
+    prompt = torch.randint(10, 1000, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    fused_out, eager_out = _decode_both_ways(llm, prompt)
+    cosine = torch.nn.functional.cosine_similarity(fused_out, eager_out, dim=-1)
+    assert cosine.min() > 0.995, cosine
+    # The engine's own decode steps take the fused path and produce tokens.
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_batched_fused_step_equals_one_at_a_time(tmp_path):
+    """Sequences batched in one fused step get the same hidden states as each alone."""
+    from tokenmill.attention_backends.interface import build_metadata
+
+    save_tiny_checkpoint("llama", str(tmp_path))
+    llm = LLM(str(tmp_path), quantization="int4", kv_cache_memory=16 << 20, generation_config="none")
+    runner = llm.engine.runner
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 12, 3)]
+    tables, lens, alone = [], [], []
+    next_block = 0
+    with torch.inference_mode():
+        for p in prompts:
+            n = len(p) + 1
+            table = list(range(next_block, next_block + (n + 15) // 16))
+            next_block += len(table)
+            runner.forward(torch.tensor(p), torch.arange(n - 1), build_metadata([n - 1], [n - 1], [table], 16))
+            decode = build_metadata([1], [n], [table], 16, num_decodes=1)
+            alone.append(runner.forward(torch.tensor([p[-1]]), torch.tensor([n - 1]), decode))
+            tables.append(table)
+            lens.append(n)
+        batch = build_metadata([1] * len(prompts), lens, tables, 16, num_decodes=len(prompts))
+        together = runner.forward(torch.tensor([p[-1] for p in prompts]), torch.tensor([n - 1 for n in lens]), batch)
+    assert torch.equal(together, torch.cat(alone))
+
+
+def test_falls_back_to_eager_and_says_why(tmp_path, caplog):
+    save_tiny_checkpoint("llama", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="tokenmill.platforms.cpu"):
+        llm = LLM(str(tmp_path), quantization="int4", attention_backend="reference", kv_cache_memory=16 << 20,
+                  generation_config="none")
+    assert not hasattr(llm.engine.runner.forward, "fused_step")
+    assert any("attention backend 'reference' has no native decode" in r.getMessage() for r in caplog.records)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_float32_stays_eager_and_refuses_fused_decode(tmp_path):
+    save_tiny_checkpoint("llama", str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=16 << 20, generation_config="none")
+    assert not hasattr(llm.engine.runner.forward, "fused_step")
+    with pytest.raises(ValueError, match="graph_capture 'fused_decode' needs"):
+        LLM(str(tmp_path), dtype="float32", graph_capture="fused_decode", kv_cache_memory=16 << 20)
+
+
+def test_several_tokens_of_one_sequence_are_rows_of_one_fused_step(tmp_path):
+    """Verified drafts or a short chunk: a sequence's new tokens in one fused call give exactly
+    what the fused step gives them one at a time (each row is computed on its own), and agree
+    with the eager model."""
+    from tokenmill.attention_backends.interface import build_metadata
+
+    save_tiny_checkpoint("qwen3", str(tmp_path))
+    llm = LLM(str(tmp_path), quantization="int4", kv_cache_memory=16 << 20, generation_config="none")
+    runner = llm.engine.runner
+    tokens = torch.randint(10, 1000, (25,), generator=torch.Generator().manual_seed(5)).tolist()
+    table = [0, 1]
+    with torch.inference_mode():
+        runner.forward(torch.tensor(tokens[:20]), torch.arange(20), build_metadata([20], [20], [table], 16))
+        one_by_one = [runner.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
+                                     build_metadata([1], [p + 1], [table], 16, num_decodes=1))
+                      for p in range(20, 25)]
+        chunk_meta = build_metadata([5], [25], [table], 16)
+        together = runner.forward(torch.tensor(tokens[20:]), torch.arange(20, 25), chunk_meta)
+        eager = runner._forward_eager(torch.tensor(tokens[20:]), torch.arange(20, 25), chunk_meta)
+    assert torch.equal(together, torch.cat(one_by_one))
+    assert torch.nn.functional.cosine_similarity(together, eager, dim=-1).min() > 0.995
+
+
+def test_ngram_speculation_is_exact_on_the_fused_path(tmp_path):
+    """Drafts verified through the fused step: greedy output identical with and without
+    speculation, one stream at a time (W5's case). (In a batch the eager int4 prefill picks its
+    outlier channels per batch, so batched int4 runs can differ at near-ties whatever the drafts.)"""
+    save_tiny_checkpoint("llama", str(tmp_path))
+    g = torch.Generator().manual_seed(6)
+    base = torch.randint(10, 1000, (12,), generator=g).tolist()
+    prompts = [{"prompt_token_ids": base * 3 + torch.randint(10, 1000, (3,), generator=g).tolist()} for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(quantization="int4", kv_cache_memory=16 << 20, generation_config="none")
+    plain_llm = LLM(str(tmp_path), **kwargs)
+    spec_llm = LLM(str(tmp_path), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **kwargs)
+    for prompt in prompts:
+        plain = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == plain
+    stats = spec_llm.engine.stats()
+    assert stats.spec_num_draft_tokens > 0
