@@ -178,7 +178,7 @@ class FusedDecodeCapture(GraphCapture):
             logger.info("fused_decode: running the model eagerly: %s", why)
             return forward
         try:
-            step = _FusedStep(runner.model.decoder_stack(), runner.layers, self.weight_format, runner.num_blocks,
+            step = _FusedStep(self._spec, runner.layers, self.weight_format, runner.num_blocks,
                               runner.block_size)
         except _Unsupported as e:
             logger.info("fused_decode: running the model eagerly: %s", e)
@@ -207,6 +207,7 @@ class FusedDecodeCapture(GraphCapture):
         if not hasattr(runner.model, "decoder_stack"):
             return f"{type(runner.model).__name__} offers no decoder_stack()"
         spec: DecoderStackSpec = runner.model.decoder_stack()
+        self._spec = spec             # what wrap() packs
         if spec.head_size % 2 or spec.hidden_size % 32 or spec.intermediate_size % 32:
             return "hidden, intermediate and head sizes must be multiples of 32 (head size even)"
         for i, layer in enumerate(spec.layers):

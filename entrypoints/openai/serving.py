@@ -180,6 +180,15 @@ class Choice:
         return text, done
 
 
+def chat_deltas(output: Any, text: str, done: bool) -> list[dict[str, Any]]:
+    """The chat-shaped deltas of one piece of answer text: through the route's output parser
+    (tool calls, reasoning; its `finish()` once done) or, without one, the text as content."""
+    deltas = [output.feed(text) if output is not None else ({"content": text} if text else {})]
+    if done and output is not None:
+        deltas.append(output.finish())
+    return deltas
+
+
 # ================================================================================== request group
 class _Sub:
     """One engine request of a group (one prompt). It is the sink the engine client feeds: items

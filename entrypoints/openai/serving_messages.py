@@ -24,7 +24,7 @@ from .chat_output import ChatChoiceOutput
 from .http import dumps, read_json
 from .protocol import parse
 from .protocol_anthropic import CountTokensRequest, MessagesRequest, to_chat_request
-from .serving import Choice, RequestGroup, ServerState, collect, open_stream
+from .serving import Choice, RequestGroup, ServerState, chat_deltas, collect, open_stream
 from .serving_chat import chat_prompt, plan_chat
 
 
@@ -157,10 +157,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
         called = False
         while item is not None:
             text, done = absorb(*item)
-            deltas = [output.feed(text) if output is not None else ({"content": text} if text else {})]
-            if done and output is not None:
-                deltas.append(output.finish())
-            for delta in deltas:
+            for delta in chat_deltas(output, text, done):
                 called = called or bool(delta.get("tool_calls"))
                 for piece in blocks.feed(delta):
                     yield piece

@@ -23,7 +23,7 @@ from .protocol import parse
 from .protocol_responses import (ResponsesRequest, ResponseStore, input_messages, new_id, output_items,
                                  to_chat_request)
 from .responses_stream import StreamedItems
-from .serving import Choice, RequestGroup, ServerState, collect, open_stream
+from .serving import Choice, RequestGroup, ServerState, chat_deltas, collect, open_stream
 from .serving_chat import plan_chat
 
 # The engine's parameter names as this route calls them.
@@ -101,10 +101,7 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
         yield stream.event("response.in_progress", response=body("in_progress", []))
         while item is not None:
             text, done = absorb(*item)
-            deltas = [output.feed(text) if output is not None else ({"content": text} if text else {})]
-            if done and output is not None:
-                deltas.append(output.finish())
-            for delta in deltas:
+            for delta in chat_deltas(output, text, done):
                 for piece in stream.feed(delta):
                     yield piece
             item = await group.next()
