@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve generate test bench clean
+.PHONY: install system-deps serve generate test bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -32,7 +32,20 @@ serve: install
 generate: install
 	$(VENV)/bin/tokenmill generate --device auto "The capital of France is"
 
-test: install
+# The browser and the Prometheus server some tests drive (test_dashboard, test_prometheus_scrape):
+# installed only when missing and we are root with apt; never fails the build (the tests then skip,
+# saying why).
+SYSTEM_DEPS := chromium prometheus
+system-deps:
+	@missing=""; for b in $(SYSTEM_DEPS); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing$$missing (apt-get)"; \
+		( apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing ) >/dev/null 2>&1 \
+			|| echo "warning: apt-get install$$missing failed; the tests that need them will skip"; \
+	else echo "note:$$missing not installed (needs root and apt-get); the tests that need them will skip"; fi
+
+test: install system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install

@@ -5,10 +5,12 @@ blocks are gathered through the block table with a single `index_select`, the qu
 as [B, Hkv, group, D] so grouped-query attention needs no `repeat_interleave`, and one
 `scaled_dot_product_attention` call with a padding mask covers all of them.
 
-Prefill chunks run one sequence at a time. A chunk that is the whole context (it starts at
-position 0) attends to its own new keys/values with `is_causal=True`, no gather at all; a chunk
-after cached context gathers that sequence's blocks and uses a causal mask offset by the cached
-length.
+Prefill chunks run one sequence at a time, except back-to-back whole prompts of one length (an
+embedding batch, a burst of same-length prompts), which run as one batched SDPA call. A chunk
+that is the whole context (it starts at position 0) attends to its own new keys/values with
+`is_causal=True`, no gather at all; a chunk after cached context gathers that sequence's blocks
+and uses a causal mask offset by the cached length. Non-causal metadata (encoders) drops the
+causal mask in both cases.
 
 Per-step derived tensors (gather indices, masks) are built once and kept on the metadata
 object, so the 30-odd layers of one step share them.
@@ -142,6 +144,7 @@ class CpuSdpaAttention(AttentionBackend):
     supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_non_causal = True          # prefill only: a one-token query is the same either way
     supported_graph_modes = ("none",)   # torch.compile of the whole model not verified yet
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
@@ -155,12 +158,46 @@ class CpuSdpaAttention(AttentionBackend):
         if nd:
             out[:nd] = self._decode(query[:nd], kv_cache, metadata, step)
         qsl = metadata.query_start_loc_cpu
-        for i in range(nd, metadata.num_seqs):
+        i = nd
+        while i < metadata.num_seqs:
             start, end = qsl[i], qsl[i + 1]
+            run = self._fresh_run(metadata, i)
+            if run > 1:     # whole prompts of one length (an embedding batch): one SDPA call for all
+                stop = qsl[i + run]
+                out[start:stop] = self._prefill_fresh_batch(query[start:stop], key[start:stop], value[start:stop],
+                                                            kv_cache.dtype, run, metadata.causal)
+                i += run
+                continue
             if end > start:
                 out[start:end] = self._prefill(query[start:end], key[start:end], value[start:end],
                                                kv_cache, metadata, i)
+            i += 1
         return out
+
+    def _fresh_run(self, metadata: AttentionMetadata, i: int) -> int:
+        """How many sequences from i on are whole prompts (no cached context) of sequence i's length."""
+        if self.sliding_window is not None or self.logits_soft_cap:
+            return 1
+        qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        length = qsl[i + 1] - qsl[i]
+        j = i
+        while j < metadata.num_seqs and lens[j] == length and qsl[j + 1] - qsl[j] == length:
+            j += 1
+        return j - i
+
+    def _prefill_fresh_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype,
+                             batch: int, causal: bool) -> torch.Tensor:
+        """`batch` whole prompts of one length, rows back to back: attend to their own new K/V."""
+        length = q.shape[0] // batch
+        if cache_dtype != q.dtype:                                 # read what the cache holds
+            k = k.to(cache_dtype).to(q.dtype)
+            v = v.to(cache_dtype).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.view(batch, length, self.num_heads, self.head_size).transpose(1, 2),
+            k.reshape(batch, length, self.num_kv_heads, self.head_size).transpose(1, 2),
+            v.reshape(batch, length, self.num_kv_heads, self.head_size).transpose(1, 2),
+            is_causal=causal, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(1, 2).reshape(q.shape)
 
     # -- decode: one batched call ------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -253,7 +290,7 @@ class CpuSdpaAttention(AttentionBackend):
                 k = k.to(kv_cache.dtype).to(q.dtype)
                 v = v.to(kv_cache.dtype).to(q.dtype)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                               is_causal=True, scale=self.scale,
+                                               is_causal=metadata.causal, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
             return o[0].transpose(0, 1)
         bs = metadata.block_size
@@ -265,6 +302,8 @@ class CpuSdpaAttention(AttentionBackend):
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos                                   # causal, offset by the cached context
+        if not metadata.causal:
+            allowed = torch.ones_like(allowed)
         if self.sliding_window is not None:
             allowed &= k_pos > q_pos - self.sliding_window
         if self.logits_soft_cap:

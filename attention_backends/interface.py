@@ -53,6 +53,9 @@ class AttentionMetadata:
     # Host copies, so Python-side backends need no device sync.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    # False: every query token attends to every token of its sequence (encoders, e.g. BERT). Only
+    # backends with supports_non_causal are chosen for such models; their prompt runs in one step.
+    causal: bool = True
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +83,7 @@ class AttentionConfig:
     logits_soft_cap: Optional[float] = None
     graph_capture: str = "none"           # "none", "torch.compile", "cuda_graphs", "xla"
     device: str = "cpu"
+    causal: bool = True                   # False: bidirectional attention (encoder models)
 
 
 class AttentionBackend:
@@ -94,6 +98,7 @@ class AttentionBackend:
     supports_gqa: ClassVar[bool] = True
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_non_causal: ClassVar[bool] = False        # honours AttentionMetadata.causal=False
     supported_graph_modes: ClassVar[tuple[str, ...]] = ("none",)
 
     @classmethod
@@ -128,6 +133,8 @@ class AttentionBackend:
             reasons.append("sliding window not supported")
         if config.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("logits soft-cap not supported")
+        if not config.causal and not cls.supports_non_causal:
+            reasons.append("non-causal (bidirectional) attention not supported")
         if config.graph_capture not in cls.supported_graph_modes:
             reasons.append(f"graph capture {config.graph_capture!r} not supported "
                            f"(supports {list(cls.supported_graph_modes)})")

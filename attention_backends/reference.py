@@ -14,6 +14,7 @@ class ReferenceAttention(AttentionBackend):
     supported_devices = ("*",)
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_non_causal = True
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: unscaled cast on write
     supported_graph_modes = ("none",)
 
@@ -38,7 +39,7 @@ class ReferenceAttention(AttentionBackend):
                 scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
             k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
-            allowed = k_pos <= q_pos
+            allowed = k_pos <= q_pos if metadata.causal else torch.ones_like(k_pos <= q_pos)
             if self.sliding_window is not None:
                 allowed &= k_pos > q_pos - self.sliding_window
             scores = scores.masked_fill(~allowed, float("-inf"))

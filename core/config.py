@@ -38,6 +38,8 @@ class ModelConfig:
     generation_config: str = "auto"      # "auto": apply generation_config.json defaults; "none": ignore
     structured_outputs_backend: str = "auto"   # grammar backend: auto (= xgrammar) | xgrammar | guidance | plugin
     reasoning_parser: Optional[str] = None     # structured outputs constrain the answer after the reasoning
+    runner: str = "auto"                 # "generate" | "pooling" (embeddings) | "auto": from the checkpoint
+    pooler_config: Any = None            # pooling overrides, e.g. {"pooling_type": "MEAN", "normalize": true}
 
 
 @dataclass
@@ -181,11 +183,18 @@ class EngineConfig:
         if self.model.structured_outputs_backend != "auto":   # "auto" needs no plugin discovery here
             from .structured_outputs import resolve_backend_name
             resolve_backend_name(self.model.structured_outputs_backend)
+        from .pooler_config import RUNNERS, parse_pooler_override
+        if self.model.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.model.runner!r}")
+        parse_pooler_override(self.model.pooler_config)
         if self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1:
             raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 are not supported yet")
 
-    def finalize(self, model_max_len: int) -> None:
-        """Fill defaults that depend on the loaded model."""
+    def finalize(self, model_max_len: int, pooling: bool = False, causal: bool = True) -> None:
+        """Fill defaults that depend on the loaded model (`pooling`: an embedding run; `causal`:
+        False for an encoder, whose prompts must run whole)."""
+        if pooling:
+            self._finalize_pooling(causal)
         if self.model.max_model_len is None:
             self.model.max_model_len = model_max_len
         elif self.model.max_model_len > model_max_len:
@@ -194,3 +203,16 @@ class EngineConfig:
         if self.scheduler.max_num_batched_tokens is None:
             self.scheduler.max_num_batched_tokens = (
                 2048 if self.scheduler.enable_chunked_prefill else max(2048, self.model.max_model_len))
+        if not causal:   # bidirectional attention needs the whole prompt in one step
+            self.scheduler.max_num_batched_tokens = max(self.scheduler.max_num_batched_tokens, self.model.max_model_len)
+
+    def _finalize_pooling(self, causal: bool) -> None:
+        """Prefix caching off: a cached block skips computing its tokens' hidden states, which MEAN and
+        CLS pooling need (and an encoder's K/V depend on later tokens, so they are no prefix's).
+        Encoders cannot chunk a prompt: each token attends to the ones after it too."""
+        if self.speculative.method is not None:
+            raise ValueError("speculative_config does not apply to a pooling (embedding) model")
+        self.cache.enable_prefix_caching = False
+        if not causal:
+            self.scheduler.enable_chunked_prefill = False
+            self.scheduler.long_prefill_token_threshold = 0

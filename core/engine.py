@@ -26,6 +26,7 @@ from .errors import RequestError
 from .loaders.loader import load_model
 from .model_runner import ModelRunner
 from .outputs import EngineStats, RequestDelta, RequestMetrics
+from .pooling_params import PoolingParams, pooling_request
 from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SequenceUpdate
@@ -63,13 +64,14 @@ class LLMEngine:
         self.bundle = bundle
         self.tokenizer = bundle.tokenizer
         self.weight_dtype, self.dtype = bundle.weight_dtype, bundle.dtype
-        config.finalize(bundle.max_model_len)
+        self.pooler_config = pooler = bundle.pooler_config     # set: a pooling run (embeddings), no sampling
+        config.finalize(bundle.max_model_len, pooler is not None, getattr(bundle.model, "is_causal", True))
         hooks.validate_config(config)      # plugins' checks see the final config (max_model_len known)
         self.max_model_len = config.model.max_model_len
         self.model_name = config.model.served_model_name or _stem(bundle.source.path)
         self.attention_backend_name = bundle.attention_backend.name
 
-        self.runner = ModelRunner(config, self.platform, bundle.model, self.dtype)
+        self.runner = ModelRunner(config, self.platform, bundle.model, self.dtype, pooler)
         self.num_kv_blocks = self.runner.num_blocks
         block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.eos_token_ids = tuple(bundle.eos_token_ids)
@@ -171,16 +173,18 @@ class LLMEngine:
         if problem:
             raise RequestError(problem, "prompt", "invalid_value")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: int = 0,
-                    max_tokens_must_fit: bool = False) -> None:
-        """Queue a request; RequestError (a ValueError naming the parameter) when it cannot run.
-        `max_tokens_must_fit`: refuse an explicit max_tokens beyond max_model_len (else: capped)."""
+                    max_tokens_must_fit: bool = False, group_id: Optional[str] = None) -> None:
+        """Queue a request; RequestError (a ValueError naming the parameter) when it cannot run. `max_tokens_must_fit`:
+        refuse an explicit max_tokens beyond max_model_len (else: capped); `group_id`: see Sequence.group_id."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id", "invalid_value")
-        params = params or SamplingParams()
         text, token_ids = self.tokenize_prompt(prompt)
-        self._check_length(len(token_ids), params, max_tokens_must_fit)
+        params, pooling = pooling_request(params, self.pooler_config, len(token_ids), self.max_model_len,
+                                          self.scheduler.fits_in_pool)
+        if pooling is None:
+            self._check_length(len(token_ids), params, max_tokens_must_fit)
         if self.generation_defaults:
             params = params.with_generation_defaults(self.generation_defaults)
         compiled = None
@@ -191,7 +195,8 @@ class LLMEngine:
         now = time.time() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
-            seq = Sequence(request_id, i, token_ids, params, now, priority)
+            seq = Sequence(request_id, i, token_ids, params, now, priority, group_id)
+            seq.pooling = pooling
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.platform.device()).manual_seed(params.seed + i)
             if params.detokenize:
@@ -350,6 +355,7 @@ class LLMEngine:
                     seq.request_id, [], num_cached_tokens=request.seqs[0].num_cached_tokens)
             if update.prompt_logprobs is not None:
                 delta.prompt_logprobs = update.prompt_logprobs
+            delta.pooled = update.pooled
             if update.delta is None:
                 continue
             delta.outputs.append(update.delta)

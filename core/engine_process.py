@@ -53,6 +53,7 @@ class EngineInfo:
     vocab_size: int
     model_path: Optional[str]
     tokenizer: Any = dataclasses.field(default=None, repr=False)   # the engine's own, pickled across
+    runner: str = "generate"          # "pooling": an embedding model (only /v1/embeddings serves it)
 
     @property
     def max_concurrency(self) -> float:
@@ -114,6 +115,7 @@ def _engine_info(engine: Any) -> EngineInfo:
         vocab_size=int(getattr(engine, "vocab_size", 0) or len(tokenizer)),
         model_path=cfg.model.model,
         tokenizer=tokenizer,
+        runner="pooling" if getattr(engine, "pooler_config", None) is not None else "generate",
     )
 
 
@@ -186,12 +188,14 @@ def run_engine_loop(engine: Any, conn: Any, parent_pid: int, log: logging.Logger
             for cmd in commands:
                 op = cmd[0]
                 if op == "add":
+                    # One add command is one HTTP request (all its prompts): one group for fair scheduling.
+                    group_id = cmd[1][0][0] if cmd[1] else None
                     for request_id, prompt, params, priority in cmd[1]:
                         num_added += 1
                         try:
                             # OpenAI refuses a max_tokens that cannot fit; offline callers get it capped.
                             engine.add_request(request_id, prompt, params, priority=priority,
-                                               max_tokens_must_fit=True)
+                                               max_tokens_must_fit=True, group_id=group_id)
                         except Exception as exc:
                             replies.append(("error", request_id, _refusal(exc, log, request_id)))
                 elif op == "abort":

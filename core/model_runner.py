@@ -15,6 +15,8 @@ import torch
 from tokenmill.attention_backends.interface import AttentionMetadata, kv_cache_torch_dtype
 
 from .config import EngineConfig
+from .layers.pooler import Pooler, PoolingChunk
+from .pooler_config import PoolerConfig
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -29,14 +31,20 @@ class ForwardResult:
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
     # Rows of `logits` per sampled sequence when any verified drafts (1 + its drafts); None: one each.
     num_rows: Optional[list[int]] = None
+    # (sequence, its vector) for each pooling sequence whose prompt finished this step.
+    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)
 
     def rows_per_seq(self) -> list[int]:
         return self.num_rows if self.num_rows is not None else [1] * len(self.sampled_seqs)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, platform, model: torch.nn.Module, dtype: torch.dtype,
+                 pooler_config: Optional[PoolerConfig] = None) -> None:
         self.config = config
+        # Set: a pooling run (embeddings): every sequence is pooled, none sampled.
+        self.pooler = Pooler(pooler_config.pooling_type, pooler_config.normalize) if pooler_config else None
+        self.causal = bool(getattr(model, "is_causal", True))
         self.platform = platform
         self.model = model
         self.dtype = dtype
@@ -64,7 +72,11 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
                 f"(raise kv_cache_memory / gpu_memory_utilization)")
         self._allocate_kv_cache(self.num_blocks)
-        self.forward = platform.graph_capture(config).wrap(self._forward_eager, self)
+        capture = platform.graph_capture(config)
+        # fused_decode is a decode-step kernel (causal, ends in the LM head's input): a pooling run
+        # has no decode steps, so it runs its prefills eagerly.
+        pooling_eager = self.pooler is not None and getattr(capture, "name", "") == "fused_decode"
+        self.forward = self._forward_eager if pooling_eager else capture.wrap(self._forward_eager, self)
 
     # ------------------------------------------------------------------ KV pool
     def _bytes_per_block(self) -> int:
@@ -90,7 +102,8 @@ class ModelRunner:
         pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             hidden = self._forward_eager(ids, pos, meta)
-            self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs):])
+            if self.pooler is None:
+                self.model.compute_logits(hidden[-min(num_tokens, self.max_num_seqs):])
         self.platform.synchronize()
         for layer, cache in zip(self.layers, saved):
             layer.kv_cache = cache
@@ -114,7 +127,7 @@ class ModelRunner:
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
             slot_mapping=slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
+            block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens), causal=self.causal)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ForwardResult:
@@ -128,6 +141,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
         prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, chunk start pos, first row, count
+        pooling_chunks: list[PoolingChunk] = []
         row = 0
         num_rows: list[int] = []
         for seq, n in batch.entries:
@@ -148,7 +162,9 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
-            if end == seq.num_tokens and not drafts:   # caught up: this step yields its next token
+            if seq.pooling is not None:                # prefill only: pooled, never sampled
+                pooling_chunks.append((seq, start, row, n))
+            elif end == seq.num_tokens and not drafts:   # caught up: this step yields its next token
                 sample_rows.append(row + n - 1)
                 sampled.append(seq)
                 num_rows.append(1)
@@ -172,5 +188,6 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden.index_select(0, index)).float()
         prompt_logits = [(seq, start, self.model.compute_logits(hidden[first:first + count]).float())
                          for seq, start, first, count in prompt_rows if count > 0]
+        pooled = self.pooler(hidden, pooling_chunks) if pooling_chunks else []
         return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits,
-                             num_rows=num_rows if len(sample_rows) != len(sampled) else None)
+                             num_rows=num_rows if len(sample_rows) != len(sampled) else None, pooled=pooled)

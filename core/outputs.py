@@ -114,6 +114,25 @@ class RequestDelta:
     # A request refused after add_request accepted it (its grammar failed to compile): it ends
     # here, finished, with no outputs; the error is what add_request would have raised.
     error: Optional[Exception] = None
+    pooled: Optional[list[float]] = None               # a pooling request's vector, on its finishing delta
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's result from `LLM.embed` (vLLM's shape: `.outputs.embedding`)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 class OutputAccumulator:

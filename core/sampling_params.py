@@ -208,6 +208,8 @@ class SamplingParams:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             number("seed", self.seed, integer=True)
+            if not -2 ** 63 <= self.seed < 2 ** 63:     # a 64-bit seed, as torch.Generator and OpenAI take it
+                raise bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             number(name, value)

@@ -6,13 +6,20 @@ One token budget per step (`max_num_batched_tokens`): running decodes first, the
 prefill chunks, then new prefills from the waiting queue (chunked when they do not fit).
 When the KV pool runs dry, the lowest-priority running sequence is preempted: its blocks are
 freed and it goes back to the waiting queue to be recomputed (its prefix may still be cached).
+
+Fair across request groups (`Sequence.group_id`: one HTTP request, all its prompts x n): waiting
+sequences are admitted round-robin, the group with the fewest running sequences first, and a group
+with nothing running while the slots are full gets one from the group holding the most (beyond its
+fair share), so 64 prompts x n=8 of one client cannot keep another client's request waiting.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .block_manager import BlockManager
+from .fair_queue import FairQueue
 from .config import SchedulerConfig
 from .outputs import CompletionDelta, LogprobsEntry
 from .sampling.prompt_logprobs import compute_prompt_logprobs
@@ -45,6 +52,7 @@ class SequenceUpdate:
     seq: Sequence
     delta: Optional[CompletionDelta] = None
     prompt_logprobs: Optional[list[Optional[LogprobsEntry]]] = None
+    pooled: Optional[list[float]] = None      # a pooling sequence's vector: it finished this step
 
 
 @dataclass
@@ -123,6 +131,8 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold or None
         batch = ScheduledBatch()
         entries: list[tuple[Sequence, int]] = []
+        self._preempt_for_starved_group(batch)
+        num_fair_preemptions = len(batch.preempted)
 
         # 1. Running sequences: decodes first, then unfinished prefill chunks.
         ordered = sorted(self.running, key=lambda s: 0 if s.num_uncomputed_tokens == 1 else 1)
@@ -148,11 +158,14 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
-        # 2. New prefills, unless this step already had to preempt.
+        # 2. New prefills, unless this step already had to preempt for memory; round-robin across groups.
         pending = self._blocks_being_computed() if self.block_manager.enable_prefix_caching else set()
-        while (self.waiting and budget > 0 and not batch.preempted
+        queue = FairQueue(self.waiting, self.running, self.config.policy == "priority") if (
+            self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs) else None
+        admitted = False
+        while (queue and budget > 0 and len(batch.preempted) == num_fair_preemptions
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = queue.head()
             if not seq.block_table and seq.params.prompt_logprobs is None:
                 # Prompt logprobs need the logits of every prompt position: no cache hits for them.
                 self.block_manager.match_prefix(seq)
@@ -171,7 +184,8 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, num_new):
                 self._undo_prefix_match(seq)
                 break
-            self.waiting.pop(0)
+            queue.pop()
+            admitted = True
             if self.block_manager.enable_prefix_caching:
                 pending.update(self._uncomputed_prompt_hashes(seq))
             self.block_manager.allocate(seq, num_new)
@@ -183,6 +197,8 @@ class Scheduler:
             entries.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+        if admitted:
+            self.waiting = [s for s in self.waiting if s.status == SequenceStatus.WAITING]
 
         for seq in ordered:            # drafts only ride with their sequence: preempted or left out, void
             if seq.spec_token_ids and (seq.seq_id not in scheduled_ids or seq.status != SequenceStatus.RUNNING):
@@ -192,6 +208,26 @@ class Scheduler:
         batch.entries = decodes + [e for e in entries if e[1] != 1]
         batch.num_decodes = len(decodes)
         return batch
+
+    def _preempt_for_starved_group(self, batch: ScheduledBatch) -> None:
+        """The running slots are full and a waiting group has none: the group holding the most slots gives
+        up one sequence (its newest), if it holds more than its fair share (max_num_seqs / groups) and is
+        not of a more urgent priority. At most one per step: a starved group gets a slot at once, a burst
+        of them one per step (each preemption costs a recompute), and a lone request loses nothing."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        held = Counter(s.group_id for s in self.running)
+        starved = next((s for s in self.waiting if s.group_id not in held), None)
+        if starved is None:
+            return
+        num_groups = len(held) + len({s.group_id for s in self.waiting} - held.keys())
+        share = max(1, self.config.max_num_seqs // num_groups)
+        by_priority = self.config.policy == "priority"
+        candidates = [s for s in self.running
+                      if held[s.group_id] > share and not (by_priority and s.priority < starved.priority)]
+        if candidates:
+            victim = max(candidates, key=lambda s: (held[s.group_id], self._victim_key(s)))
+            self._preempt(victim, batch)
 
     def _uncomputed_prompt_hashes(self, seq: Sequence) -> list[int]:
         hashes = self.block_manager.full_block_hashes(seq)[:seq.num_prompt_tokens // self.block_manager.block_size]
@@ -267,6 +303,11 @@ class Scheduler:
             if new:
                 seq.num_prompt_logprobs_emitted += len(new)
                 updates[seq.seq_id] = SequenceUpdate(seq, prompt_logprobs=new)
+        for seq, vector in result.pooled:      # prefill-only sequences end with their prompt
+            seq.finish_reason = "stop"
+            self.finish(seq)
+            updates[seq.seq_id] = SequenceUpdate(seq, CompletionDelta(seq.index, [], "", finish_reason="stop"),
+                                                 pooled=vector)
         row = 0
         for seq, num_rows in zip(result.sampled_seqs, result.rows_per_seq()):
             if num_rows == 1:
@@ -343,3 +384,4 @@ class Scheduler:
         return CompletionDelta(index=seq.index, token_ids=[token], text=text, logprobs=logprobs,
                                cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
                                stop_reason=seq.stop_reason)
+

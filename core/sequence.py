@@ -20,9 +20,12 @@ class Sequence:
     """Token state plus what the block manager and scheduler need to know about it."""
 
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, priority: int = 0) -> None:
+                 arrival_time: float, priority: int = 0, group_id: Optional[str] = None) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
+        # What the scheduler shares running slots fairly across: one HTTP request (all its prompts,
+        # all their n choices); a request on its own by default.
+        self.group_id = group_id if group_id is not None else request_id
         self.index = index
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -52,6 +55,10 @@ class Sequence:
         # Prompt positions whose logprobs were emitted (the leading None counts): a recompute
         # after preemption must not emit them twice.
         self.num_prompt_logprobs_emitted = 0
+        # A pooling request (core/pooling_params.py): its PoolingParams, and what the pooler has
+        # folded in of the chunks computed so far (core/layers/pooler.py).
+        self.pooling: Any = None
+        self.pooling_partial: Any = None
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

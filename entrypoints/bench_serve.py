@@ -32,6 +32,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    start: float = 0.0      # time.perf_counter() when it was sent (for --plot's throughput over time)
 
 
 def add_bench_subparser(bench_subparsers: Any) -> argparse.ArgumentParser:
@@ -55,6 +56,9 @@ def add_bench_subparser(bench_subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="untimed requests before the run (default 1)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--result-json", default=None, help="also write the results here")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw TTFT and ITL distributions and throughput over time into this PNG "
+                        "(needs matplotlib: pip install 'tokenmill[plot]')")
     p.set_defaults(func=run)
     return p
 
@@ -82,7 +86,7 @@ async def _one(client: Any, url: str, headers: dict[str, str], model: str, promp
     if args.ignore_eos:
         body["ignore_eos"] = True
     res = RequestResult(prompt_len=len(prompt))
-    start = time.perf_counter()
+    start = res.start = time.perf_counter()
     last = start
     chunks = 0
     usage_tokens: Optional[int] = None
@@ -147,7 +151,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
-async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+async def benchmark(args: argparse.Namespace, keep: Optional[list[RequestResult]] = None) -> dict[str, Any]:
+    """Run the load; `keep` (a list) receives every request's result."""
     import httpx
     base = args.base_url.rstrip("/")
     if base.endswith("/v1"):
@@ -184,6 +189,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    if keep is not None:
+        keep.extend(results)
     summary = summarize(list(results), duration)
     summary.update({"model": model, "base_url": base, "workload": description, "num_prompts": len(prompts),
                     "output_len": output_len,
@@ -227,12 +234,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import logging
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per request otherwise
+    plot = getattr(args, "plot", None)
+    if plot:
+        from .bench_plot import require_matplotlib
+        try:
+            require_matplotlib()     # before the run, not after minutes of load
+        except RuntimeError as exc:
+            print(f"bench serve: {exc}", file=sys.stderr)
+            return 2
+    results: list[RequestResult] = []
     try:
-        summary = asyncio.run(benchmark(args))
+        summary = asyncio.run(benchmark(args, results))
     except Exception as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 1
     print(format_summary(summary))
+    if plot:
+        from .bench_plot import plot_results
+        plot_results(results, summary, plot)
+        print(f"plot: {plot}")
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2, default=str)

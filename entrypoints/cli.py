@@ -27,6 +27,7 @@ BENCH_MODULES = [
     "tokenmill.entrypoints.bench_serve",
     "tokenmill.entrypoints.bench_attention",
     "tokenmill.entrypoints.bench_gemm",
+    "tokenmill.entrypoints.bench_embed",
 ]
 
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = _import_optional(name)
         if module is not None:
             module.add_subparser(subparsers)
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm, embed")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name in BENCH_MODULES:
         module = _import_optional(name)

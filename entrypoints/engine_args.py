@@ -50,6 +50,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\'')
+    parser.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                        help="generate text, or pool hidden states into embeddings (/v1/embeddings, "
+                             "LLM.embed); auto: pooling for encoder / sentence-transformers checkpoints")
+    parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                        help='pooling overrides, as vLLM: \'{"pooling_type": "MEAN", "normalize": true}\' '
+                             "(pooling_type CLS, MEAN or LAST)")
     parser.set_defaults(enable_prefix_caching=True, enable_chunked_prefill=True)
 
 
@@ -59,6 +65,7 @@ ENGINE_ARG_NAMES = (
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
+    "runner", "pooler_config",
 )
 
 

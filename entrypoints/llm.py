@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `.chat(conversations, ...)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `.chat(conversations, ...)` and, for a
+pooling model (`LLM(model, runner="pooling")` or a checkpoint detected as one), `.embed(texts)`."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +9,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.engine import LLMEngine, PromptType
-from tokenmill.core.outputs import OutputAccumulator, RequestOutput
+from tokenmill.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, OutputAccumulator, RequestOutput
+from tokenmill.core.pooling_params import PoolingParams
 from tokenmill.core.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -64,6 +66,49 @@ class LLM:
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Optional[PoolingParams] = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text, token ids or a prompt dict), in order, each `.outputs.embedding`.
+        All prompts run together through the scheduler (continuous batching, as generate). A prompt
+        longer than max_model_len is a ValueError unless `truncate_prompt_tokens` keeps its last k
+        tokens (-1: max_model_len of them)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        engine = self.engine
+        if engine.pooler_config is None:
+            raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling')")
+        keep = engine.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep is not None and not 1 <= keep <= engine.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in 1..{engine.max_model_len}, got {keep}")
+        params = pooling_params or PoolingParams()
+        order: dict[str, int] = {}
+        token_lists: list[list[int]] = []
+        results: list[Optional[EmbeddingRequestOutput]] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Embedded prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            for i, prompt in enumerate(prompts):
+                _, token_ids = engine.tokenize_prompt(prompt)
+                token_ids = token_ids[-keep:] if keep else token_ids
+                request_id = f"embd-{next(self._ids)}"
+                engine.add_request(request_id, {"prompt_token_ids": token_ids}, params)
+                order[request_id] = i
+                token_lists.append(token_ids)
+            while engine.has_unfinished_requests():
+                for delta in engine.step():
+                    i = order.get(delta.request_id)
+                    if i is not None and delta.finished and delta.pooled is not None:
+                        results[i] = EmbeddingRequestOutput(delta.request_id, token_lists[i],
+                                                            EmbeddingOutput(delta.pooled))
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        finally:
+            bar.close()
+        return results  # type: ignore[return-value]
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
              priority: Optional[list[int]]) -> list[RequestOutput]:

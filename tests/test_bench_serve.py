@@ -61,6 +61,31 @@ def test_summary_math():
     assert s["itl_ms"]["median"] == pytest.approx(100.0)
 
 
+def test_bench_serve_plot(tmp_path, capsys):
+    """--plot against the fake engine: a PNG with the TTFT/ITL distributions and throughput over time."""
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the plot extra)")
+    from tokenmill.entrypoints.openai.testing import ServerProcess
+    png = tmp_path / "bench.png"
+    with ServerProcess(["--max-model-len", "512", "--disable-access-log"], env={"TOKENMILL_FAKE_STEP_S": "0.005"},
+                       fake_engine=True) as fake:
+        code = main(["bench", "serve", "--base-url", fake.url, "--random-input-len", "16", "--random-output-len",
+                     "12", "--num-prompts", "24", "--max-concurrency", "6", "--plot", str(png)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert f"plot: {png}" in printed
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1500, 450) and len(data) > 30_000
+
+
+def test_bench_serve_plot_without_matplotlib(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--plot", "x.png"])
+    assert code == 2 and "tokenmill[plot]" in capsys.readouterr().err
+
+
 def test_engine_process_dies_with_a_killed_server(server):
     """Last in this module: SIGKILL the server (no clean-up runs); its engine process must not linger."""
     import signal

@@ -156,10 +156,10 @@ def test_errors_raise_the_sdks_classes(server, client):
     assert e.value.body["param"] == "max_output_tokens" and e.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
-    assert e.value.body["param"] == "tools.[0]"
+    assert e.value.body["param"] == "tools[0]"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "x"}])
-    assert e.value.body["param"] == "input.[0].type"
+    assert e.value.body["param"] == "input[0].type"
     with pytest.raises(openai.BadRequestError) as e:     # streamed: still a plain HTTP error
         list(client.responses.create(model=MODEL, input="x", max_output_tokens=5000, stream=True))
     assert e.value.body["code"] == "context_length_exceeded"

@@ -323,8 +323,15 @@ def test_tool_call_and_tool_result_messages_reach_the_chat_template():
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     ], "tools": tools})
+    import asyncio
+    from types import SimpleNamespace
+
+    from tokenmill.entrypoints.openai.limits import RequestLimits
+    from tokenmill.entrypoints.openai.workers import Workers
     tok = _RecordingTokenizer()
-    assert chat_prompt(tok, req.messages, req.tools) == [1, 2, 3]
+    state = SimpleNamespace(tokenizer=tok, settings=SimpleNamespace(limits=RequestLimits()), max_prompt_bytes=0,
+                            info=SimpleNamespace(max_model_len=1024), workers=Workers(RequestLimits(), tok, 1))
+    assert asyncio.run(chat_prompt(state, req.messages, req.tools)) == [1, 2, 3]
     user, assistant, tool = tok.msgs
     assert assistant["content"] == "" and assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert assistant["tool_calls"][0]["id"] == "call_1"

@@ -70,9 +70,23 @@ def hf_architecture(gguf: GGUFFile) -> tuple[str, str]:
     return GGUF_ARCHITECTURES[arch]
 
 
+def _architecture_config(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """The config object: a plain PretrainedConfig holding exactly the values the GGUF states,
+    when those are all the model needs. Importing transformers' per-architecture config modules
+    costs 2-3 s of start-up (they pull in torch.distributed.tensor through transformers'
+    kernels integration) for nothing but defaults. Sliding windows and rope scaling keep the
+    architecture's own class: its derived fields (layer_types, rope_parameters) matter there."""
+    if "sliding_window" in kwargs or "rope_scaling" in kwargs:
+        from transformers import AutoConfig
+        return AutoConfig.for_model(model_type, **kwargs)
+    from transformers import PretrainedConfig
+    config = PretrainedConfig(**kwargs)
+    config.model_type = model_type
+    return config
+
+
 def gguf_config(gguf: GGUFFile) -> Any:
     """A transformers PretrainedConfig for the network this GGUF holds."""
-    from transformers import AutoConfig
     model_type, arch_class = hf_architecture(gguf)
     a = gguf.arch_value
     num_heads = int(a("attention.head_count"))
@@ -109,7 +123,7 @@ def gguf_config(gguf: GGUFFile) -> Any:
         if a("rope.scaling.original_context_length"):
             scaling["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
         kwargs["rope_scaling"] = scaling
-    config = AutoConfig.for_model(model_type, **kwargs)
+    config = _architecture_config(model_type, kwargs)
     if "rope_freqs.weight" in gguf.tensors:
         # llama3-style scaling arrives as per-frequency divisors, not as config values.
         config.rope_freq_factors = dequantize(gguf.raw("rope_freqs.weight"), gguf.tensors["rope_freqs.weight"].qtype,

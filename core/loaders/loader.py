@@ -21,7 +21,9 @@ from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..config import EngineConfig, torch_dtype
 from ..layers.kernels import apply_layer_kernels
+from ..models.pooling_adapter import as_pooling_model
 from ..models.registry import resolve_architecture
+from ..pooler_config import PoolerConfig, resolve_pooler_config
 from . import gguf_loader, hf
 from .gguf_file import GGUFFile
 from .model_source import ModelSource, resolve_model_source
@@ -56,6 +58,7 @@ class ModelBundle:
     generation_defaults: dict = field(default_factory=dict)
     max_model_len: int = 2048
     eos_token_ids: list[int] = field(default_factory=list)
+    pooler_config: Optional[PoolerConfig] = None   # set: a pooling (embedding) run (core/pooler_config.py)
 
 
 @dataclass
@@ -146,6 +149,10 @@ def load_model(config: EngineConfig, platform: PlatformLike,
     meta = _load_metadata(config.model.model, config.model.tokenizer)
     architecture, model_cls = resolve_architecture(getattr(meta.hf_config, "architectures", None),
                                                    discovery.model_architectures())
+    pooler_config = resolve_pooler_config(config.model.runner, architecture, meta.hf_config,
+                                          meta.source.path if meta.gguf is None else None, config.model.pooler_config)
+    if pooler_config is not None:     # the same network, its hidden states pooled instead of an LM head
+        model_cls = as_pooling_model(model_cls)
     attn_config = model_cls.attention_config(
         meta.hf_config, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
         graph_capture=platform.graph_capture(config).backend_mode(), device=platform.dispatch_key)
@@ -166,4 +173,5 @@ def load_model(config: EngineConfig, platform: PlatformLike,
         model=net, hf_config=meta.hf_config, tokenizer=meta.tokenizer, source=meta.source,
         architecture=architecture, weight_dtype=weight_dtype, dtype=dtype, attention_backend=backend_cls,
         quantization=config.model.quantization, generation_defaults=meta.generation_defaults,
-        max_model_len=_max_model_len(meta.hf_config), eos_token_ids=_eos_ids(meta))
+        max_model_len=getattr(model_cls, "context_length", _max_model_len)(meta.hf_config),   # XLM-R: less its offset
+        eos_token_ids=_eos_ids(meta), pooler_config=pooler_config)

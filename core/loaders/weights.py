@@ -51,7 +51,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
     # copy too (lm_head.weight of a tied embedding), which adds nothing.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     loaded: set[tuple[str, Optional[Any]]] = set()
+    # A model may name checkpoint tensors its own way (a prefix the checkpoint lacks; None: not a weight here).
+    rename = getattr(model, "checkpoint_name", None)
     for name, stored in weights:
+        if rename is not None and (name := rename(name)) is None:
+            continue
         if name in aliases or any(pattern in name for pattern in ignored):
             continue
         target, shard_id = _target(name, packed)

@@ -8,15 +8,21 @@ deltas. Where things are:
   serving_completions.py  POST /v1/completions
   serving_chat.py         POST /v1/chat/completions (and the chat template)
   serving_tokenize.py     POST /tokenize, /detokenize
+  serving_embeddings.py   POST /v1/embeddings (a pooling model: --runner pooling)
   serving_messages.py     POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
   serving_responses.py    POST /v1/responses, GET/DELETE /v1/responses/{id} (OpenAI's Responses API)
   batch_routes.py         /v1/files, /v1/batches (batch_jobs.py runs them, batch_store.py keeps them on disk,
                           batch_lines.py runs one batch line through this app, as `run-batch` does)
+  dashboard.py            GET /dashboard (static/dashboard.html) and /dashboard/data, from the metrics registry
+  tracing.py              --otlp-traces-endpoint: an OpenTelemetry span per request
+  openapi_doc.py          /openapi.json, with each route's request model (behind the API key)
   errors.py               OpenAI-shaped errors (Anthropic-shaped under /v1/messages); the one
                           translation of engine refusals
 
 The model loads in the background while the server already answers: /health/live at once,
 /health/ready (and every route that needs the engine) with 503 until a request can be served.
+If the engine process dies, its in-flight requests fail at once and the server exits with status 1
+(for a supervisor to restart it), or with --restart-engine starts a new engine (`Serving.engine_died`).
 """
 from __future__ import annotations
 
@@ -32,12 +38,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ... import __version__
 from . import errors as E
 from .batch_routes import add_batch_routes
+from .dashboard import add_dashboard_routes
 from .engine_client import EngineClient
 from .http import Guard, error_response
 from .metrics import CONTENT_TYPE_LATEST
+from .openapi_doc import install as install_openapi
 from .serving import ServerSettings, ServerState
 from .serving_chat import create_chat_completion
 from .serving_completions import create_completion
+from .serving_embeddings import create_embedding
 from .serving_messages import count_message_tokens, create_message
 from .serving_responses import add_response_routes
 from .serving_tokenize import detokenize, tokenize
@@ -51,23 +60,39 @@ class Serving:
     """The app's hold on the engine: `state` is None until the model is loaded (`load`), and the
     routes ask for it through `require` (503 while loading, or after loading failed)."""
 
-    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
+    def __init__(self, client: EngineClient, settings: ServerSettings, tracer: Any = None) -> None:
         self.client = client
         self.settings = settings
+        self.tracer = tracer        # tracing.RequestTracer (--otlp-traces-endpoint), or None
         self.state: Optional[ServerState] = None
         self.failed: Optional[str] = None
         self.on_started: list[Callable[[ServerState], None]] = []    # e.g. resuming batch jobs
         self.on_stopping: list[Callable[[], None]] = []
+        # The engine process died (or could not be restarted): the server exits non-zero (serve_cmd).
+        self.on_engine_failed: Optional[Callable[[BaseException], None]] = None
+        self.startup_timeout: Optional[float] = None
+        self._restarting: Optional[asyncio.Task] = None
 
     def require(self) -> ServerState:
         if self.state is None:
             raise E.model_loading(self.failed)
         return self.state
 
+    def require_generation(self) -> ServerState:
+        """`require`, for the routes that generate text: a pooling (embedding) model answers them 400."""
+        state = self.require()
+        if state.info.runner == "pooling":
+            raise E.bad_request("This model is a pooling (embedding) model: it does not generate text. Use "
+                                "/v1/embeddings, or serve it with --runner generate.", "model", "model_not_supported")
+        return state
+
     def started(self, loop: asyncio.AbstractEventLoop) -> ServerState:
         """The engine process is up (its model loaded): build the state, start routing its outputs."""
         state = ServerState(self.client, self.settings)
+        state.tracer = self.tracer
+        self.on_stopping.append(state.workers.close)      # the worker threads, the template sandbox's process
         self.client.on_stats = state.metrics.update_stats
+        self.client.on_dead = lambda reason: self.engine_died(loop, reason)
         self.client.attach(loop)
         self.state = state
         for callback in self.on_started:
@@ -86,6 +111,31 @@ class Serving:
             return
         if on_ready is not None:
             on_ready(state)
+
+    def engine_died(self, loop: asyncio.AbstractEventLoop, reason: str) -> None:
+        """The engine process is gone (its in-flight requests have already failed): zero the gauges, then
+        restart it (--restart-engine) or have the server exit non-zero, for a supervisor to restart."""
+        if self.state is not None:
+            self.state.metrics.engine_gone()
+        if self.settings.restart_engine:
+            self._restarting = loop.create_task(self._restart(loop))
+        elif self.on_engine_failed is not None:
+            self.on_engine_failed(RuntimeError(f"the engine process died ({reason}); exiting"))
+
+    async def _restart(self, loop: asyncio.AbstractEventLoop) -> None:
+        logger.warning("restarting the engine process")
+        self.client.detach()
+        try:
+            await asyncio.to_thread(self.client.respawn, self.startup_timeout)
+        except Exception as exc:
+            logger.error("the engine process could not be restarted: %s", exc)
+            self.failed = str(exc)
+            if self.on_engine_failed is not None:
+                self.on_engine_failed(exc)
+            return
+        if not self.client.is_closing:
+            self.client.attach(loop)
+            logger.info("engine process restarted; ready")
 
     async def drain(self, timeout: float) -> None:
         if self.state is not None:
@@ -109,15 +159,30 @@ def _add_error_handlers(app: FastAPI) -> None:
                              None, "not_found")
         elif exc.status_code == 405:
             err = E.APIError(405, f"Method {request.method} is not allowed on {request.url.path}",
-                             "invalid_request_error", None, "method_not_allowed")
+                             "invalid_request_error", None, "method_not_allowed",
+                             headers={"Allow": ", ".join(_allowed_methods(app, request.scope))})
         else:
-            err = E.APIError(exc.status_code, str(exc.detail), "invalid_request_error")
+            err = E.APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, "invalid_request")
         return respond(request, err)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return respond(request, E.internal_error())
+        response = respond(request, E.internal_error())
+        # Starlette re-raises after this response and uvicorn then drops the connection: say so.
+        response.headers["Connection"] = "close"
+        return response
+
+
+def _allowed_methods(app: FastAPI, scope: dict) -> list[str]:
+    """Every method some route serves at this path (a 405's Allow header), not only the first route's."""
+    from starlette.routing import Match
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "__none__"})
+        if match == Match.PARTIAL:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
@@ -180,12 +245,13 @@ def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
 
 def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeout: Optional[float] = None,
                on_ready: Optional[Callable[[ServerState], None]] = None,
-               on_failed: Optional[Callable[[BaseException], None]] = None) -> Guard:
+               on_failed: Optional[Callable[[BaseException], None]] = None, tracer: Any = None) -> Guard:
     """The ASGI app for `client`. A client not started yet is started when the app's lifespan begins,
     in the background (`on_ready(state)` / `on_failed(exc)` tell how that went) while the server already
     answers. `.state` is the `Serving` (the server drains it on shutdown); the engine process is shut
-    down when the app's lifespan ends."""
-    serving = Serving(client, settings)
+    down when the app's lifespan ends. `tracer` (a tracing.RequestTracer) writes a span per request."""
+    serving = Serving(client, settings, tracer)
+    serving.on_engine_failed, serving.startup_timeout = on_failed, startup_timeout
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -206,30 +272,38 @@ def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeou
                 callback()
             # An engine still loading its model reads no command: do not wait long for it to obey one.
             client.shutdown(timeout=10.0 if serving.state is not None else 1.0)
+            if tracer is not None:
+                tracer.shutdown()       # flush the spans not exported yet
 
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
+    app.router.redirect_slashes = False     # its redirect's Location comes from the client's Host header
     app.state.tokenmill = serving
     _add_error_handlers(app)
     _add_meta_routes(app, serving)
+    add_dashboard_routes(app, serving)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(serving.require(), request)
+        return await create_completion(serving.require_generation(), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(serving.require(), request)
+        return await create_chat_completion(serving.require_generation(), request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(serving.require(), request)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
-        return await create_message(serving.require(), request)
+        return await create_message(serving.require_generation(), request)
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> JSONResponse:
         return await count_message_tokens(serving.require(), request)
 
-    add_response_routes(app, serving.require, settings.max_stored_responses)
+    add_response_routes(app, serving.require_generation, settings.max_stored_responses)
     add_batch_routes(app, serving, settings.batch_dir)
 
     @app.post("/tokenize")
@@ -240,6 +314,11 @@ def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeou
     async def detokenize_route(request: Request) -> JSONResponse:
         return await detokenize(serving.require(), request)
 
-    guard = Guard(app, settings.api_keys, settings.max_request_body_bytes)
+    inner: Any = app
+    if tracer is not None:
+        from .tracing import TraceContextMiddleware
+        inner = TraceContextMiddleware(app, tracer)
+    install_openapi(app)
+    guard = Guard(inner, settings.api_keys, settings.max_request_body_bytes)
     guard.state = serving   # type: ignore[attr-defined]
     return guard

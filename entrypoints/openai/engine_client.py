@@ -10,6 +10,9 @@ anything with `put_nowait(item)` (an asyncio.Queue will do); it receives the req
 raised it), `EngineDeadError`, or whatever `abort_all` was given. Finished, refused and aborted
 requests leave the table at once, so a late delta for an aborted request finds no sink.
 
+When the engine process dies, every sink gets an EngineDeadError, the stats are dropped (nothing
+may read a dead engine's load) and `on_dead` tells the app, which exits or calls `respawn` + `attach`.
+
 Writes go through a thread because a pipe write blocks while the engine is busy stepping and not
 reading; reads happen on the event loop itself (the engine writes each message whole, so a
 readable pipe never stalls the loop for long), which saves a thread hop per step.
@@ -30,6 +33,15 @@ from ...core.engine_process import DEFAULT_ENGINE_FACTORY, EngineInfo, engine_ma
 from ...core.outputs import RequestDelta
 
 logger = logging.getLogger("tokenmill.serve")
+
+
+def _import_tokenizer_modules() -> None:
+    """Import what unpickling the engine's tokenizer needs while the engine process is still
+    loading the model: done after the "ready" message, it adds ~1 s to start-up."""
+    try:
+        import transformers.tokenization_utils_fast  # noqa: F401
+    except ImportError:      # a factory whose tokenizer is not a transformers one
+        pass
 
 
 class EngineDeadError(RuntimeError):
@@ -56,6 +68,9 @@ class EngineClient:
         self.tokenizer: Any = None
         self.stats: dict[str, float] = {}       # the engine's EngineStats fields, as last reported
         self.on_stats: Optional[Callable[[dict[str, float]], None]] = None
+        # Called (on the event loop) once when the engine process dies other than by shutdown(), after
+        # every in-flight request got its EngineDeadError: the server exits or restarts the engine.
+        self.on_dead: Optional[Callable[[str], None]] = None
         self._proc: Optional[multiprocessing.process.BaseProcess] = None
         self._conn: Any = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -70,8 +85,9 @@ class EngineClient:
         self._closing = False
 
     # -------------------------------------------------------------- lifecycle
-    def start(self, timeout: Optional[float] = None) -> EngineInfo:
-        """Spawn the engine process and wait (blocking) until the model is loaded."""
+    def spawn(self) -> None:
+        """Start the engine process without waiting for it: `serve` calls this before importing its
+        web stack, so the engine's imports and model load overlap the server's."""
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=engine_main, name="tokenmill-engine", daemon=True,
@@ -79,6 +95,14 @@ class EngineClient:
         self._proc.start()
         child_conn.close()
         self._conn = parent_conn
+
+    def start(self, timeout: Optional[float] = None) -> EngineInfo:
+        """Spawn the engine process (unless `spawn` already did) and wait (blocking) until the model
+        is loaded."""
+        if self._proc is None:
+            self.spawn()
+        parent_conn = self._conn
+        _import_tokenizer_modules()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
@@ -103,11 +127,43 @@ class EngineClient:
         return info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start routing engine outputs into `loop` (call from inside the running loop)."""
+        """Start routing engine outputs into `loop` (call from inside the running loop); after `respawn`,
+        this is what makes the client alive again."""
         self._loop = loop
+        self._dead_reason = None
         loop.add_reader(self._conn.fileno(), self._on_readable)
         self._sender_thread = threading.Thread(target=self._sender, name="tokenmill-engine-sender", daemon=True)
         self._sender_thread.start()
+
+    def detach(self) -> None:
+        """Stop reading the dead engine's pipe (on the event loop, before `respawn`)."""
+        self._stop_reading()
+
+    def _close_pipe(self) -> None:
+        """Stop the sender thread (it owns the pipe's write side), then close the pipe."""
+        self._send_q.put(None)
+        if self._sender_thread is not None:
+            self._sender_thread.join(3)
+        try:
+            self._conn.close()
+        except Exception:
+            pass
+
+    def respawn(self, timeout: Optional[float] = None) -> EngineInfo:
+        """After the engine process died: reap what is left of it and start a new one, blocking until its
+        model is loaded (run it in a thread, then `attach` on the loop). Its counters start from zero."""
+        proc = self._proc
+        if proc is not None:
+            if proc.is_alive():      # e.g. it reported a fatal step error and is still exiting
+                proc.kill()
+            proc.join(3)
+        self._close_pipe()
+        self._send_q = queue.SimpleQueue()
+        self._sender_thread = None
+        self._num_sent_adds = self._num_added_seen = 0
+        self.stats = {}
+        self._proc = None
+        return self.start(timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine process (politely, then by force); fail whatever is still waiting."""
@@ -131,13 +187,7 @@ class EngineClient:
             if proc.is_alive():
                 proc.kill()
                 proc.join(3)
-        self._send_q.put(None)
-        if self._sender_thread is not None:
-            self._sender_thread.join(3)
-        try:
-            self._conn.close()
-        except Exception:
-            pass
+        self._close_pipe()
         self._mark_dead("server shutting down")
 
     # -------------------------------------------------------------- state
@@ -152,8 +202,20 @@ class EngineClient:
 
     @property
     def num_waiting_estimate(self) -> int:
-        """Waiting in the engine as last reported, plus adds the engine had not seen yet."""
-        return int(self.stats.get("num_waiting", 0)) + max(0, self._num_sent_adds - self._num_added_seen)
+        """Requests waiting in the engine (not scheduled) now, counting the adds it has not seen yet."""
+        return self.num_waiting_after(0)
+
+    def num_waiting_after(self, num_new: int, max_running: Optional[int] = None) -> int:
+        """How many requests would wait in the engine (not scheduled) once `num_new` more are added: the
+        waiting it last reported, plus the adds it has not seen yet (and the new ones) that do not fit in
+        its free running slots. The engine schedules whatever fits before its next step, so a request in
+        flight here is not "waiting" while a running slot is free for it."""
+        if max_running is None:
+            max_running = self.info.max_num_seqs if self.info is not None else 0
+        waiting = int(self.stats.get("num_waiting", 0))
+        free = 0 if waiting else max(0, max_running - int(self.stats.get("num_running", 0)))
+        unacknowledged = max(0, self._num_sent_adds - self._num_added_seen)
+        return waiting + max(0, unacknowledged + num_new - free)
 
     @property
     def num_in_flight(self) -> int:
@@ -268,13 +330,20 @@ class EngineClient:
                     del sinks[d.request_id]
 
     def _mark_dead(self, reason: str) -> None:
-        if self._dead_reason is None:
+        first = self._dead_reason is None
+        if first:
             self._dead_reason = reason
             if not self._closing:
                 logger.error("engine is dead: %s", reason)
+        self.stats = {}      # the dead engine's load is nobody's: admission and gauges must not read it
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink.put_nowait(EngineDeadError(reason))
         for fut in self._pings.values():
             if not fut.done():
                 fut.set_result(False)
+        if first and not self._closing and self.on_dead is not None:
+            try:
+                self.on_dead(reason)
+            except Exception:
+                logger.exception("handling the engine's death failed")

@@ -57,7 +57,9 @@ def is_anthropic_path(path: str) -> bool:
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
+    """A 400. Its code is never null: "invalid_value" unless a more precise one is given
+    ("invalid_type", "missing_required_parameter", "unknown_parameter", "context_length_exceeded", ...)."""
+    return APIError(400, message, "invalid_request_error", param, code or "invalid_value")
 
 
 def model_not_found(model: str) -> APIError:

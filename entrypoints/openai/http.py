@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
@@ -35,13 +36,15 @@ def error_response(err: E.APIError, anthropic: bool = False) -> JSONResponse:
 
 
 class Guard:
-    """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize (`Authorization: Bearer KEY`,
-    or Anthropic's `x-api-key: KEY`); body-size limit (413). Errors under /v1/messages have Anthropic's shape.
+    """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize, /dashboard/data
+    (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); body-size limit (413). Errors under /v1/messages have Anthropic's shape.
 
     Pure ASGI rather than FastAPI middleware so that a refused request never reaches routing
     and an oversized chunked upload is cut off while it is being read."""
 
-    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+    # /dashboard/data: the page (/dashboard) holds no data and is public; what it polls is keyed.
+    # /openapi.json: it describes what the key protects.
+    PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/dashboard/data", "/openapi.json")
 
     def __init__(self, app: Any, api_keys: Sequence[str], max_body_bytes: int) -> None:
         self.app = app
@@ -100,13 +103,54 @@ class Guard:
         return await self.app(scope, receive, send)
 
 
+# Deeper bodies are refused: no request model nests anywhere near this (a JSON schema in
+# response_format or tools included), and deep trees only exist to exhaust recursion later.
+MAX_JSON_DEPTH = 64
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")   # \ud800-\udfff: the only way JSON text spells one
+
+
+def _bad_json(detail: str) -> E.APIError:
+    return E.bad_request(f"We could not parse the JSON body of your request: {detail}", None, "invalid_json")
+
+
+def check_json_tree(obj: Any, max_depth: int = MAX_JSON_DEPTH, surrogates: bool = True) -> None:
+    """Refuse (400) a parsed body nested deeper than `max_depth`, or with a lone surrogate in a string
+    (json.loads lets `"\\ud800"` through; it cannot be encoded later). Iterative: no recursion to exhaust."""
+    stack = [(obj, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            if surrogates:
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise _bad_json("a string contains a lone surrogate (e.g. \\ud800 without its pair); "
+                                    "strings must be valid Unicode.") from None
+            continue
+        if isinstance(node, (dict, list)):
+            if depth >= max_depth:
+                raise _bad_json(f"it is nested deeper than {max_depth} levels.")
+            items = node.items() if isinstance(node, dict) else ((None, v) for v in node)
+            for key, value in items:
+                if surrogates and key is not None:
+                    stack.append((key, depth + 1))
+                stack.append((value, depth + 1))
+
+
 async def read_json(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+    except RecursionError:
+        raise _bad_json(f"it is nested deeper than {MAX_JSON_DEPTH} levels.") from None
     except (ValueError, UnicodeDecodeError):
         raise E.bad_request("We could not parse the JSON body of your request. The body must be valid JSON.",
                             None, "invalid_json") from None
+    # The walk only when it can find something: raw UTF-8 cannot carry a surrogate, only a \u escape can.
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if surrogates or raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        check_json_tree(body, surrogates=surrogates)
+    return body
 
 
 class ClientGone(Exception):

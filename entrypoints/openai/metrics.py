@@ -118,6 +118,15 @@ class ServerMetrics:
                 self.spec_accepted_per_pos.labels(self.model_name, str(j)).inc(value - self._last_per_pos[j])
                 self._last_per_pos[j] = value
 
+    def engine_gone(self) -> None:
+        """The engine process died: its last gauges describe nothing now (0 until a new engine reports),
+        and a restarted engine counts from zero again (the counters here keep their totals)."""
+        self._running.set(0)
+        self._waiting.set(0)
+        self._kv.set(0.0)
+        self._last = {k: 0 for k in _COUNTER_FIELDS}
+        self._last_per_pos = []
+
     # ---------------------------------------------------------------- requests
     def request_finished(self, finish_reason: str, ttft: Optional[float], itls: list[float], e2e: float,
                          queue_time: Optional[float]) -> None:

@@ -43,6 +43,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Optional[int] = None
     stream: Optional[bool] = False
     metadata: Optional[dict[str, Any]] = None     # accepted, ignored
+    service_tier: Optional[str] = None            # accepted, ignored
     thinking: Optional[dict[str, Any]] = None     # accepted: reasoning shows when --reasoning-parser is on
 
 
@@ -58,8 +59,8 @@ def _text_of(blocks: Any, param: str) -> str:
     for j, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise E.bad_request(f"{param}.[{j}]: only text blocks are supported here, got {kind!r}.",
-                                f"{param}.[{j}]", "invalid_value")
+            raise E.bad_request(f"{param}[{j}]: only text blocks are supported here, got {kind!r}.",
+                                f"{param}[{j}]", "invalid_value")
         parts.append(block["text"])
     return "".join(parts)
 
@@ -74,7 +75,7 @@ def _message(i: int, m: AnthropicMessage) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for j, block in enumerate(m.content):
         kind = block.get("type")
-        where = f"messages.[{i}].content.[{j}]"
+        where = f"messages[{i}].content[{j}]"
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_use" and m.role == "assistant":
@@ -113,8 +114,8 @@ def _tools(tools: Optional[list[AnthropicTool]]) -> Optional[list[dict[str, Any]
     out = []
     for i, tool in enumerate(tools):
         if tool.type not in (None, "custom"):
-            raise E.bad_request(f"tools.[{i}]: tool type {tool.type!r} is not supported (only custom tools "
-                                "with an input_schema).", f"tools.[{i}].type", "invalid_value")
+            raise E.bad_request(f"tools[{i}]: tool type {tool.type!r} is not supported (only custom tools "
+                                "with an input_schema).", f"tools[{i}].type", "invalid_value")
         fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
         if tool.description is not None:
             fn["description"] = tool.description

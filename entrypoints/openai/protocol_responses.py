@@ -42,6 +42,9 @@ class ResponsesRequest(_Base):
     background: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
     user: Optional[str] = None
+    service_tier: Optional[str] = None       # metadata only, accepted
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
 
 
 def new_id(prefix: str) -> str:
@@ -57,7 +60,7 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise E.bad_request(f"{where}.[{j}]: only text parts are supported, got {kind!r}.", f"{where}.[{j}]",
+            raise E.bad_request(f"{where}[{j}]: only text parts are supported, got {kind!r}.", f"{where}[{j}]",
                                 "invalid_value")
         parts.append(part["text"])
     return "".join(parts)
@@ -69,7 +72,7 @@ def input_messages(items: Union[str, list[dict[str, Any]]], param: str = "input"
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        where = f"{param}.[{i}]"
+        where = f"{param}[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -108,8 +111,8 @@ def _tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            raise E.bad_request(f"tools.[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
-                                f"supported, got type {tool.get('type')!r}.", f"tools.[{i}]", "invalid_value")
+            raise E.bad_request(f"tools[{i}]: only function tools ({{'type': 'function', 'name': ...}}) are "
+                                f"supported, got type {tool.get('type')!r}.", f"tools[{i}]", "invalid_value")
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out

@@ -27,7 +27,11 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                             f"repeat for several valid keys (rotation). Also read from ${API_KEY_ENV} "
                             f"(comma-separated)")
     group.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="refuse new requests with 503 + Retry-After while this many are waiting")
+                       help="refuse new requests with 503 + Retry-After when they would make more than this many "
+                            "wait in the engine for a running slot (default 4 x --max-num-seqs; 0: none wait)")
+    group.add_argument("--restart-engine", action="store_true",
+                       help="when the engine process dies, fail its in-flight requests and start it again "
+                            "(default: fail them and exit with status 1, for a supervisor to restart the server)")
     group.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
                        help="refuse larger request bodies with 413 (default 8 MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -38,9 +42,18 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
     group.add_argument("--max-stored-responses", type=int, default=1000,
                        help="finished /v1/responses kept in memory for previous_response_id and GET (LRU; "
                             "default 1000, 0: none)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send an OpenTelemetry span per request (queue, prefill, decode, detokenize; GenAI "
+                            "semantic conventions) to this OTLP endpoint; the protocol is "
+                            "$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc, the default, or http/protobuf). "
+                            "Needs the otel extra: pip install 'tokenmill[otel]'")
     group.add_argument("--batch-dir", default=None, metavar="DIR",
                        help="where /v1/files and /v1/batches keep their state (resumed after a restart; "
                             "default ~/.cache/tokenmill/batches)")
+    from .connection_guard import add_connection_args
+    from .limits import add_limit_args
+    add_limit_args(parser.add_argument_group("request limits (docs/serving.md, Limits and timeouts)"))
+    add_connection_args(parser.add_argument_group("connections and timeouts"))
     parser.set_defaults(func=run)
     return parser
 
@@ -68,8 +81,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "parser (built-in: qwen3, deepseek_r1)")
 
 
-def api_keys_from(args: argparse.Namespace) -> list[str]:
-    keys = [k for k in (args.api_key or []) if k]
+def api_keys_from(args: argparse.Namespace, parser: Any = None) -> list[str]:
+    """The valid keys. An empty (or blank) --api-key would silently disable authentication: with `parser`,
+    it exits with status 2, as a malformed flag does."""
+    given = args.api_key or []
+    if parser is not None and any(not k.strip() for k in given):
+        parser.error("--api-key is empty: that would disable authentication; give a key, or leave the flag out")
+    keys = [k for k in given if k]
     env = os.environ.get(API_KEY_ENV, "")
     keys += [k.strip() for k in env.split(",") if k.strip()]
     return list(dict.fromkeys(keys))
@@ -180,9 +198,6 @@ def _Server(config: Any, state: Any, drain_timeout: float) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import create_app
     from .engine_client import EngineClient
 
     check_parser_args(args)
@@ -193,13 +208,31 @@ def run(args: argparse.Namespace) -> int:
         if args.max_waiting_requests < 0:
             raise SystemExit("--max-waiting-requests must be >= 0")
         kwargs["max_waiting_requests"] = args.max_waiting_requests
-    keys = api_keys_from(args)
+    parser = getattr(args, "_cli_parser", None) or argparse.ArgumentParser("tokenmill serve")
+    keys = api_keys_from(args, parser)
+    from .connection_guard import check_connection_args, guarded_protocol
+    from .limits import limits_from_args
+    limits = limits_from_args(parser, args)
+    check_connection_args(parser, args)
     log_level = logging.getLogger().getEffectiveLevel()
+    tracer = None
+    if getattr(args, "otlp_traces_endpoint", None):   # before the engine starts: a missing package exits at once
+        from .tracing import RequestTracer
+        try:
+            tracer = RequestTracer(args.otlp_traces_endpoint)
+        except (RuntimeError, ValueError) as exc:
+            raise SystemExit(str(exc)) from None
+        logger.info("tracing: OpenTelemetry spans to %s", args.otlp_traces_endpoint)
 
     client = EngineClient(kwargs, factory=args.engine_factory, log_level=log_level)
+    client.spawn()          # the model loads while the web stack below is imported
+    import uvicorn
+
+    from .app import create_app
     settings = serving_settings(args, api_keys=keys, max_waiting_requests=args.max_waiting_requests,
                                 max_request_body_bytes=args.max_request_body_bytes, host=args.host, port=args.port,
-                                max_stored_responses=args.max_stored_responses, batch_dir=args.batch_dir)
+                                max_stored_responses=args.max_stored_responses, batch_dir=args.batch_dir,
+                                restart_engine=args.restart_engine, limits=limits)
     server: Any = None
     failed: list[BaseException] = []
 
@@ -226,11 +259,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         # The HTTP server answers at once (/health/live; 503 on /health/ready) while the model loads.
         app = create_app(client, settings, startup_timeout=args.engine_startup_timeout, on_ready=on_ready,
-                         on_failed=on_failed)
+                         on_failed=on_failed, tracer=tracer)
         # uvicorn's own deadline is a backstop: the app aborts what is left after --shutdown-timeout itself.
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=max(log_level, logging.INFO),
                                 access_log=not args.disable_access_log,
-                                timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on")
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5, lifespan="on",
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                http=guarded_protocol(args.timeout_request_header, args.timeout_request_body,
+                                                      args.limit_concurrency))
         server = _Server(config, app.state, args.shutdown_timeout)
         server.run()
         return 1 if failed else 0

@@ -28,12 +28,14 @@ from . import errors as E
 from .chat_output import parser_class
 from .engine_client import EngineClient, EngineDeadError
 from .http import SSE_DONE, ClientGone, SSEResponse, race_disconnect, sse
+from .limits import RequestLimits, prompt_byte_bound
 from .metrics import ServerMetrics
+from .workers import Workers
 
 logger = logging.getLogger("tokenmill.serve")
 
 MAX_LOGPROBS = 20
-MAX_N = 128
+DEFAULT_QUEUE_FACTOR = 4    # without --max-waiting-requests: at most 4 x max_num_seqs requests wait
 LOGPROB_FLOOR = -9999.0     # what -inf / nan logprobs are reported as (JSON has no -inf)
 
 
@@ -41,7 +43,8 @@ LOGPROB_FLOOR = -9999.0     # what -inf / nan logprobs are reported as (JSON has
 class ServerSettings:
     served_model_names: list[str]
     api_keys: list[str] = field(default_factory=list)
-    max_waiting_requests: Optional[int] = None
+    max_waiting_requests: Optional[int] = None  # None: DEFAULT_QUEUE_FACTOR x max_num_seqs
+    restart_engine: bool = False                # --restart-engine: a dead engine process is started again
     max_request_body_bytes: int = 8 * 1024 * 1024
     host: str = "127.0.0.1"
     port: int = 8000
@@ -52,6 +55,7 @@ class ServerSettings:
     generation_defaults: dict[str, Any] = field(default_factory=dict)   # --generation-config FOLDER
     max_stored_responses: int = 1000            # /v1/responses kept for previous_response_id (LRU)
     batch_dir: Optional[str] = None             # /v1/files, /v1/batches state (None: ~/.cache/tokenmill/batches)
+    limits: RequestLimits = field(default_factory=RequestLimits)   # per-request bounds and templates (limits.py)
 
 
 # A GGUF file's quantization suffix: SmolLM2-135M-Instruct.Q4_1, Llama-3.2-1B-Q4_K_M, x-f16, x.BF16, x-IQ3_XXS.
@@ -78,7 +82,10 @@ class ServerState:
                            else default_served_name(client.info.model_name))
         self.model_names = settings.served_model_names or [self.model_name]
         self.shutting_down = False
+        self.workers = Workers(settings.limits, self.tokenizer)     # tokenizing and templating, off the loop
+        self.max_prompt_bytes = prompt_byte_bound(settings.limits, self.info.max_model_len, self.tokenizer)
         self.metrics = ServerMetrics(self.model_name)
+        self.tracer: Any = None     # a tracing.RequestTracer under --otlp-traces-endpoint (app.py sets it)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
         # The parser classes (ValueError for an unknown name); one instance per choice of a request.
@@ -101,13 +108,20 @@ class ServerState:
             return self.model_name
         raise E.model_not_found(model)
 
-    def admit(self, num_requests: int) -> None:
-        """Refuse (503) when the waiting queue is full or the engine is gone."""
+    @property
+    def max_waiting_requests(self) -> int:
+        """--max-waiting-requests, else DEFAULT_QUEUE_FACTOR x max_num_seqs: drained in a few batch rounds."""
         limit = self.settings.max_waiting_requests
-        if limit is not None and self.client.num_waiting_estimate + num_requests > limit:
-            raise E.server_overloaded()
+        return DEFAULT_QUEUE_FACTOR * self.info.max_num_seqs if limit is None else limit
+
+    def admit(self, num_requests: int) -> None:
+        """Refuse (503 + Retry-After) when `num_requests` more would make more than max_waiting_requests
+        wait in the engine, or when the engine is gone. Waiting means not scheduled: requests the engine
+        reports waiting, plus those sent but not yet acknowledged beyond its free running slots."""
         if not self.client.is_alive:
             raise E.engine_dead()
+        if self.client.num_waiting_after(num_requests) > self.max_waiting_requests:
+            raise E.server_overloaded()
 
     def token_str(self, tid: int, as_id: bool = False) -> str:
         """A token's text for logprobs (cached: the same ids recur in every top-k list)."""
@@ -132,8 +146,9 @@ def build_params(req: Any, logprobs: Optional[int], rename: Optional[Mapping[str
         value = getattr(req, name, None)
         if value is not None:
             kw[name] = value
-    if req.n is not None and req.n > MAX_N:
-        raise E.bad_request(f"n must be at most {MAX_N}, got {req.n}.", "n", "invalid_value")
+    structured_param = getattr(req, "_structured_param", "structured_outputs")
+    if structured_param != "structured_outputs":     # vLLM's guided_ field it came from (protocol.py)
+        rename = {**(rename or {}), "structured_outputs": structured_param}
     kw.update(overrides)
     if logprobs is not None:
         kw["logprobs"] = logprobs
@@ -193,7 +208,7 @@ def chat_deltas(output: Any, text: str, done: bool) -> list[dict[str, Any]]:
 class _Sub:
     """One engine request of a group (one prompt). It is the sink the engine client feeds: items
     arrive on the group's queue tagged with it, so no id → prompt table is needed."""
-    __slots__ = ("group", "request_id", "index", "first", "last", "itls", "reason", "finished")
+    __slots__ = ("group", "request_id", "index", "first", "last", "itls", "reason", "finished", "trace")
 
     def __init__(self, group: "RequestGroup", request_id: str, index: int) -> None:
         self.group, self.request_id, self.index = group, request_id, index
@@ -202,6 +217,7 @@ class _Sub:
         self.itls: list[float] = []
         self.reason: Optional[str] = None        # choice 0's finish reason, the metric's label
         self.finished = False
+        self.trace: Any = None                   # a tracing.RequestTrace when tracing is on
 
     def put_nowait(self, item: Any) -> None:
         self.group.q.put_nowait((self, item))
@@ -221,7 +237,15 @@ class RequestGroup:
                      for i in range(len(prompts))]
         self.num_unfinished = len(self.subs)
         self.closed = False
-        if state.settings.generation_defaults:     # --generation-config FOLDER: for what the request left unset
+        vocab = state.info.vocab_size
+        logit_bias = getattr(params, "logit_bias", None)      # SamplingParams only (not embeddings')
+        if logit_bias and vocab and max(logit_bias) >= vocab:   # OpenAI refuses them too
+            raise E.bad_request(f"logit_bias has token id {max(params.logit_bias)}, outside the vocabulary "
+                                f"(0..{vocab - 1}).", "logit_bias", "invalid_value")
+        if state.tracer is not None:     # each sub gets its RequestTrace (.trace)
+            state.tracer.begin_group(self.subs, prompts, params, state.model_name, arrival)
+        # --generation-config FOLDER: for what the request left unset (sampling only: not embeddings' PoolingParams)
+        if state.settings.generation_defaults and isinstance(params, SamplingParams):
             try:
                 params = params.with_generation_defaults(state.settings.generation_defaults)
             except ValueError as exc:
@@ -246,6 +270,8 @@ class RequestGroup:
             else:
                 sub.itls.append(now - sub.last)
             sub.last = now
+            if sub.trace is not None:
+                sub.trace.absorb(item)
             for c in item.outputs:
                 if c.index == 0 and c.finish_reason is not None:
                     sub.reason = c.finish_reason
@@ -266,6 +292,8 @@ class RequestGroup:
         reason = sub.reason or next((c.finish_reason for c in delta.outputs if c.finish_reason), "stop")
         m = self.state.metrics
         ttft = (sub.first or now) - self.arrival
+        if sub.trace is not None:
+            sub.trace.end(delta.metrics, now, aborted=reason == "abort")
         if reason == "abort":     # the engine gave up on it by itself
             m.request_was_aborted(ttft, sub.itls)
         else:
@@ -283,6 +311,8 @@ class RequestGroup:
             s.finished = True
         if open_subs:
             self.state.client.abort([s.request_id for s in open_subs])
+            if self.state.tracer is not None:
+                self.state.tracer.aborted(open_subs)
             if count_aborts:
                 for s in open_subs:
                     ttft = s.first - self.arrival if s.first is not None else None

@@ -15,18 +15,61 @@ from ...core.outputs import RequestDelta
 from . import errors as E
 from .chat_output import ChatChoiceOutput
 from .http import read_json
+from .limits import check_prompt_bytes, prompt_too_long
 from .protocol import ChatCompletionRequest, parse
 from .serving import (LOGPROB_FLOOR, MAX_LOGPROBS, Choice, Event, RequestGroup, ServerState, build_params, clamp,
                       collect, stream, usage)
 from .structured import from_response_format
 from .tool_choice import ForcedToolParser, forced_name, forced_schema, is_forced
+from .workers import TemplateError
 
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def chat_prompt(tokenizer: Any, messages: list[Any], tools: Any = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, kwargs: Optional[dict] = None) -> list[int]:
-    """The token ids of `messages` rendered by the tokenizer's chat template (also used by /tokenize)."""
+async def chat_prompt(state: ServerState, messages: list[Any], tools: Any = None, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, kwargs: Optional[dict] = None,
+                      template: Optional[str] = None) -> list[int]:
+    """The token ids of `messages` rendered by the chat template (also used by /tokenize), off the event loop.
+    `template` (or kwargs["chat_template"]): the request's own template, refused (400) unless the server runs
+    with --trust-request-chat-template, then rendered in the sandbox (template_sandbox.py)."""
+    msgs = _message_dicts(messages)
+    extra = dict(kwargs or {})
+    param = "chat_template"
+    if "chat_template" in extra:
+        if template is None:
+            template, param = extra["chat_template"], "chat_template_kwargs.chat_template"
+        del extra["chat_template"]
+    limits = state.settings.limits
+    if template is not None and not limits.trust_request_chat_template:
+        raise E.bad_request("A request's own chat template is refused: start the server with "
+                            "--trust-request-chat-template to allow it.", param, "invalid_value")
+    if template is not None and not isinstance(template, str):
+        raise E.bad_request("The chat template must be a string.", param, "invalid_type")
+    bound, max_len = state.max_prompt_bytes, state.info.max_model_len
+    # The messages' text is part of the prompt: beyond the byte bound it cannot fit, whatever the template adds.
+    chars = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    if bound and chars > bound:
+        raise prompt_too_long(chars, bound, max_len, "messages")
+    workers = state.workers
+    try:
+        if template is not None:
+            kw = {**state.tokenizer.special_tokens_map, **extra}
+            text = await workers.render_in_sandbox(template, msgs, tools or None,
+                                                   add_generation_prompt and not continue_final_message,
+                                                   continue_final_message, kw, bound or (1 << 62))
+        else:
+            text = await workers.run_bounded(_render, state.tokenizer, msgs, tools, add_generation_prompt,
+                                             continue_final_message, extra)
+    except TemplateError as exc:
+        raise E.bad_request(f"The chat template could not render these messages: {exc}",
+                            param if template is not None else "messages") from None
+    check_prompt_bytes(text, bound, max_len, "messages")
+    # The template already wrote the special tokens (BOS included) it wants.
+    return await workers.encode(text, add_special_tokens=False)
+
+
+def _message_dicts(messages: list[Any]) -> list[dict[str, Any]]:
+    """The messages as chat templates read them: text content parts joined, roles checked."""
     msgs = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
@@ -38,28 +81,32 @@ def chat_prompt(tokenizer: Any, messages: list[Any], tools: Any = None, add_gene
                     parts.append(part["text"])
                 else:
                     raise E.bad_request(f"Only text content parts are supported, got {part.get('type')!r}.",
-                                        f"messages.[{i}].content", "invalid_value")
+                                        f"messages[{i}].content", "invalid_value")
             d["content"] = "".join(parts)
         if d.get("role") == "developer":     # OpenAI's newer name for the system role
             d["role"] = "system"
         if d.get("role") not in _ROLES:
-            raise E.bad_request(f"Invalid role {d.get('role')!r}.", f"messages.[{i}].role", "invalid_value")
+            raise E.bad_request(f"Invalid role {d.get('role')!r}.", f"messages[{i}].role", "invalid_value")
         if d.get("tool_calls"):
             _template_tool_calls(d)
         msgs.append(d)
-    extra = dict(kwargs or {})
+    return msgs
+
+
+def _render(tokenizer: Any, msgs: list[dict], tools: Any, add_generation_prompt: bool, continue_final_message: bool,
+            extra: dict[str, Any]) -> str:
+    """The server's own template (in a worker thread): jinja's errors are a template refusing these messages."""
     if tools:
-        extra["tools"] = tools
+        extra = {**extra, "tools": tools}
     try:
         text = tokenizer.apply_chat_template(
             msgs, add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tokenize=False, **extra)
-    except Exception as exc:   # jinja errors: a template that refuses these messages
+    except Exception as exc:
         raise E.bad_request(f"The chat template could not render these messages: {exc}", "messages") from None
     if not isinstance(text, str):
         raise E.internal_error("The chat template did not produce text.")
-    # The template already wrote the special tokens (BOS included) it wants.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text
 
 
 def _template_tool_calls(d: dict[str, Any]) -> None:
@@ -187,18 +234,20 @@ class ChatPlan:
     outputs: Optional[list[ChatChoiceOutput]]
 
 
-def plan_chat(state: ServerState, req: ChatCompletionRequest, rename: Optional[dict[str, str]] = None,
+async def plan_chat(state: ServerState, req: ChatCompletionRequest, rename: Optional[dict[str, str]] = None,
               structured_param: str = "response_format") -> ChatPlan:
     """Check `req`, render its prompt, build its SamplingParams. `rename` adds to the engine → route
     parameter names; `structured_param` is what a refused response_format is called."""
     k = _check(req, state.settings.enable_auto_tool_choice)
-    ids = chat_prompt(state.tokenizer, req.messages, req.tools, bool(req.add_generation_prompt),
-                      bool(req.continue_final_message), req.chat_template_kwargs)
     # The engine's names for what this route calls "messages" and (when used) max_completion_tokens.
     names = {"prompt": "messages"}
     if req.max_completion_tokens is not None:
         names["max_tokens"] = "max_completion_tokens"
     names.update(rename or {})
+    state.settings.limits.check(req, 1, names)
+    ids = await chat_prompt(state, req.messages, req.tools, bool(req.add_generation_prompt),
+                            bool(req.continue_final_message), req.chat_template_kwargs,
+                            getattr(req, "chat_template", None))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # None: until the context is full (the engine knows how far that is).
     extra: dict[str, Any] = {}
@@ -217,7 +266,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     arrival = time.monotonic()
     req = parse(ChatCompletionRequest, await read_json(request))
     model = state.check_model(req.model)
-    plan = plan_chat(state, req)
+    plan = await plan_chat(state, req)
     ids, params, rename, k, outputs = plan.ids, plan.params, plan.rename, plan.k, plan.outputs
     n = req.n if req.n is not None else 1
     state.admit(1)

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from ...core.outputs import RequestDelta
 from . import errors as E
 from .http import read_json
+from .limits import check_prompt_bytes
 from .protocol import CompletionRequest, parse
 from .serving import (LOGPROB_FLOOR, MAX_LOGPROBS, Choice, Event, RequestGroup, ServerState, build_params, clamp,
                       collect, stream, usage)
@@ -58,25 +59,27 @@ def _check(req: CompletionRequest) -> int:
     return n
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[list[int]], list[Optional[str]]]:
-    """Token ids of every prompt, and the text of those given as text (for echo)."""
+def _prompt_items(req: CompletionRequest) -> list[Any]:
+    """The request's prompts: each a text or a list of token ids."""
     raw = req.prompt
     if isinstance(raw, str):
-        items: list[Any] = [raw]
-    elif all(isinstance(x, int) for x in raw):     # one prompt of token ids ([] included: the engine refuses it)
-        items = [list(raw)]
-    else:
-        items = list(raw)
+        return [raw]
+    if all(isinstance(x, int) for x in raw):     # one prompt of token ids ([] included: the engine refuses it)
+        return [list(raw)]
+    return list(raw)
+
+
+async def _prompts(state: ServerState, req: CompletionRequest, items: list[Any]
+                   ) -> tuple[list[list[int]], list[Optional[str]]]:
+    """Token ids of every prompt (tokenized off the event loop, a text too long in bytes for the context
+    refused first), and the text of those given as text (for echo)."""
     add_special = req.add_special_tokens if req.add_special_tokens is not None else True
-    prompts: list[list[int]] = []
-    texts: list[Optional[str]] = []
-    for item in items:
-        if isinstance(item, str):
-            prompts.append(list(state.tokenizer.encode(item, add_special_tokens=add_special)))
-            texts.append(item)
-        else:
-            prompts.append(list(item))
-            texts.append(None)
+    texts: list[Optional[str]] = [item if isinstance(item, str) else None for item in items]
+    for text in texts:
+        if text is not None:
+            check_prompt_bytes(text, state.max_prompt_bytes, state.info.max_model_len, "prompt")
+    prompts = [await state.workers.encode(item, add_special) if isinstance(item, str) else list(item)
+               for item in items]
     return prompts, texts
 
 
@@ -85,7 +88,9 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     req = parse(CompletionRequest, await read_json(request))
     model = state.check_model(req.model)
     n = _check(req)
-    prompts, given_texts = _prompts(state, req)
+    items = _prompt_items(req)
+    state.settings.limits.check(req, len(items))
+    prompts, given_texts = await _prompts(state, req, items)
     # max_tokens left out: SamplingParams' default (16, as OpenAI's legacy API), which the engine
     # clips to the context; an explicit one the engine refuses when it does not fit.
     extra = {"max_tokens": req.max_tokens} if req.max_tokens is not None else {}

@@ -126,7 +126,7 @@ async def create_message(state: ServerState, request: Request) -> Response:
     req = parse(MessagesRequest, await read_json(request))
     model = state.check_model(req.model)
     chat = to_chat_request(req)
-    plan = plan_chat(state, chat, rename={"stop": "stop_sequences"})
+    plan = await plan_chat(state, chat, rename={"stop": "stop_sequences"})
     state.admit(1)
     message_id = f"msg_{uuid.uuid4().hex}"
     group = RequestGroup(state, message_id, [plan.ids], plan.params, 0, arrival, plan.rename)
@@ -178,6 +178,6 @@ async def count_message_tokens(state: ServerState, request: Request) -> JSONResp
     req = parse(CountTokensRequest, await read_json(request))
     state.check_model(req.model)
     chat = to_chat_request(req)
-    ids = chat_prompt(state.tokenizer, chat.messages, chat.tools)
+    ids = await chat_prompt(state, chat.messages, chat.tools)
     return JSONResponse({"input_tokens": len(ids)})
 

@@ -56,8 +56,11 @@ async def create_response(state: ServerState, store: ResponseStore, request: Req
         history = entry[1]
     conversation = history + input_messages(req.input)     # what a next turn continues
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    plan = plan_chat(state, to_chat_request(req, instructions + conversation), rename=_RENAME,
-                     structured_param="text.format")
+    if not instructions + conversation:     # a 400 here, not the chat request's validation error (a 500)
+        raise E.bad_request("input must hold at least one message (or give instructions).", "input",
+                            "invalid_value")
+    plan = await plan_chat(state, to_chat_request(req, instructions + conversation), rename=_RENAME,
+                           structured_param="text.format")
     state.admit(1)
     response_id = new_id("resp")
     group = RequestGroup(state, response_id, [plan.ids], plan.params, 0, arrival, plan.rename)

@@ -7,7 +7,8 @@ the same request validation (RequestError with `param`/`code`: vocabulary, empty
 length, explicit max_tokens, KV pool), and per-step `RequestDelta`s (new token ids, new text with a
 partial stop string held back, new logprobs; metrics on the finishing delta). It "generates" token
 ids from a seeded RNG (greedy: a fixed function of the prompt), one token per step per sequence,
-with the scheduler's shape: at most max_num_seqs running, the rest waiting; KV blocks counted per
+with the scheduler's shape: at most max_num_seqs sequences running, admitted fairly across HTTP
+requests as the scheduler does, the rest waiting; KV blocks counted per
 sequence. TOKENMILL_FAKE_STEP_S sets the time one step takes (default 0.01 s). TOKENMILL_FAKE_SCRIPT
 makes every sequence "generate" that text instead (its token ids, then EOS): how the server tests get
 tool calls and reasoning out of it. TOKENMILL_FAKE_LOAD_S makes "loading the model" take that long
@@ -20,12 +21,14 @@ import random
 import re
 import signal
 import time
+from collections import Counter
 from typing import Any, Iterable, Optional
 
 from ...core.detokenizer import IncrementalDetokenizer
 from ...core.loaders.model_source import resolve_model_source
 from ...core.errors import RequestError
 from ...core.outputs import CompletionDelta, EngineStats, RequestDelta, RequestMetrics
+from ...core.pooling_params import PoolingParams
 
 
 class _Platform:
@@ -50,8 +53,9 @@ class _Seq:
 
 class _Req:
     def __init__(self, rid: str, ids: list[int], params: Any, max_tokens: int, arrival: float,
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, group: Optional[str] = None) -> None:
         self.rid, self.ids, self.params, self.max_tokens = rid, ids, params, max_tokens
+        self.group = group if group is not None else rid     # as Sequence.group_id
         self.metrics = RequestMetrics(arrival_time=arrival)
         self.seqs = [_Seq(i, ids, params, tokenizer) for i in range(params.n)]
         self.num_computed = 0     # prompt tokens prefilled so far
@@ -115,9 +119,11 @@ class FakeEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: Any, params: Any, arrival_time: Optional[float] = None,
-                    priority: int = 0, max_tokens_must_fit: bool = False) -> None:
+                    priority: int = 0, max_tokens_must_fit: bool = False, group_id: Optional[str] = None) -> None:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id")
+        if isinstance(params, PoolingParams):      # a generating model, as the real engine answers
+            raise RequestError("The model does not support Embeddings API.", "model", "model_not_supported")
         ids = self._prompt_ids(prompt)
         limit = self.max_model_len
         if not ids:
@@ -140,7 +146,7 @@ class FakeEngine:
             raise RequestError(f"the prompt needs {needed} KV blocks but the pool has only {self.num_kv_blocks}",
                                "prompt")
         r = _Req(request_id, ids, params, max_tokens,
-                 time.monotonic() if arrival_time is None else arrival_time, self.tokenizer)
+                 time.monotonic() if arrival_time is None else arrival_time, self.tokenizer, group_id)
         self.requests[request_id] = r
         self.waiting.append(r)
 
@@ -167,10 +173,7 @@ class FakeEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:
         now = time.monotonic()
-        while self.waiting and len(self.running) < self.config.scheduler.max_num_seqs:
-            r = self.waiting.pop(0)
-            r.metrics.first_scheduled_time = now
-            self.running.append(r)
+        self._admit(now)
         # Chunked prefill, as the scheduler does it: decodes first, prompts share what is left of
         # the token budget; a request samples only once its whole prompt is computed.
         budget = self.config.scheduler.max_num_batched_tokens or 2048
@@ -202,6 +205,34 @@ class FakeEngine:
                 del self.requests[r.rid]
             deltas.append(RequestDelta(r.rid, outs, finished, metrics=r.metrics if finished else None))
         return deltas
+
+    def _admit(self, now: float) -> None:
+        """As the scheduler admits (core/scheduler.py), a request at a time: its n sequences count against
+        max_num_seqs, groups take turns (fewest running sequences first), and a group with nothing running
+        while the slots are full gets the newest request of the group holding the most beyond its share."""
+        cap = self.config.scheduler.max_num_seqs
+        held: Counter = Counter()
+        for r in self.running:
+            held[r.group] += r.params.n
+        starved = next((r for r in self.waiting if r.group not in held), None)
+        if starved is not None and sum(held.values()) + starved.params.n > cap:
+            share = max(1, cap // (len(held) + len({r.group for r in self.waiting} - held.keys())))
+            victims = [r for r in self.running if held[r.group] > share]
+            if victims:
+                victim = max(victims, key=lambda r: (held[r.group], r.metrics.arrival_time))
+                self.running.remove(victim)
+                held[victim.group] -= victim.params.n
+                victim.num_computed = 0          # recomputed, as a preempted sequence is
+                self.waiting.insert(0, victim)
+        while self.waiting:
+            pos, r = min(enumerate(self.waiting), key=lambda e: (held[e[1].group], e[0]))
+            if held and sum(held.values()) + r.params.n > cap:
+                break
+            del self.waiting[pos]
+            held[r.group] += r.params.n
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = now
+            self.running.append(r)
 
     def _next_token(self, r: _Req, seq: _Seq) -> CompletionDelta:
         p = r.params
