@@ -98,6 +98,41 @@ def test_hostile_json_is_400_and_keeps_the_connection(server, body):
         conn.close()
 
 
+def test_hostile_bodies_do_not_stall_another_client(server):
+    """The worst bodies of defects 6, 9 and 10, sent back to back by one client (8 MiB-deep nesting
+    up to the body limit, surrogates, booleans, unknown fields, an out-of-vocabulary logit_bias):
+    another client's max_tokens=4 request still completes within 2 s, every time."""
+    import threading
+    depth = 4 * 1024 * 1024 - 64       # just under the 8 MiB body limit: "[" * depth + "]" * depth
+    bodies = [
+        b'{"prompt": "x", "max_tokens": 1, "user": ' + b"[" * depth + b"]" * depth + b"}",
+        b'{"model": "' + MODEL.encode() + b'", "prompt": "a\\ud800b' + b"x" * 1_000_000 + b'", "max_tokens": 2}',
+        b'{"prompt": [true, false], "max_tokens": true}',
+        b'{"prompt": "x", "guided_whitespace_pattern": " ", "max_tokens": 1}',
+        b'{"prompt": "x", "logit_bias": {"999999999": 5}, "max_tokens": 1}',
+    ]
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def attacker() -> None:
+        with httpx.Client(base_url=server.url, headers={**AUTH, "Content-Type": "application/json"},
+                          timeout=30) as c:
+            while not stop.is_set():
+                for body in bodies:
+                    statuses.append(c.post("/v1/completions", content=body).status_code)
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        worst = max(_quick_request_time(server) for _ in range(5))
+    finally:
+        stop.set()
+        thread.join(30)
+    assert statuses and all(400 <= code < 500 for code in statuses), sorted(set(statuses))
+    assert worst < 2.0, f"another client's max_tokens=4 request took {worst:.2f} s"
+
+
 def test_surrogate_in_chat_and_messages_is_400(api):
     body = b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 2}'
     r = api.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
