@@ -72,11 +72,10 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
                 f"(raise kv_cache_memory / gpu_memory_utilization)")
         self._allocate_kv_cache(self.num_blocks)
-        capture = platform.graph_capture(config)
-        # fused_decode is a decode-step kernel (causal, ends in the LM head's input): a pooling run
-        # has no decode steps, so it runs its prefills eagerly.
-        pooling_eager = self.pooler is not None and getattr(capture, "name", "") == "fused_decode"
-        self.forward = self._forward_eager if pooling_eager else capture.wrap(self._forward_eager, self)
+        # Graph capture is for decode steps (captured graphs, the fused decode step); a pooling run
+        # has none, only prefills, so it runs eagerly whatever the platform captures.
+        self.forward = (self._forward_eager if self.pooler is not None
+                        else platform.graph_capture(config).wrap(self._forward_eager, self))
 
     # ------------------------------------------------------------------ KV pool
     def _bytes_per_block(self) -> int:
