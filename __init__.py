@@ -4,10 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "LoRARequest", "__version__"]
 
 if TYPE_CHECKING:
     from .core.config import EngineConfig
+    from .core.lora.request import LoRARequest
     from .core.sampling_params import SamplingParams, StructuredOutputsParams
     from .entrypoints.llm import LLM
 
@@ -23,6 +24,9 @@ def __getattr__(name: str):
     if name == "StructuredOutputsParams":
         from .core.sampling_params import StructuredOutputsParams
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from .core.lora.request import LoRARequest
+        return LoRARequest
     if name == "EngineConfig":
         from .core.config import EngineConfig
         return EngineConfig

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_paged_decode
-from .interface import AttentionBackend, AttentionMetadata, write_kv
+from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, write_kv
 
 _CACHE_ATTR = "_cpu_sdpa_step_cache"
 
@@ -148,7 +148,7 @@ class CpuSdpaAttention(AttentionBackend):
     supported_graph_modes = ("none",)   # torch.compile of the whole model not verified yet
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         num_tokens = metadata.num_tokens
         out = torch.empty_like(query[:num_tokens])
         if num_tokens == 0:
@@ -190,8 +190,8 @@ class CpuSdpaAttention(AttentionBackend):
         """`batch` whole prompts of one length, rows back to back: attend to their own new K/V."""
         length = q.shape[0] // batch
         if cache_dtype != q.dtype:                                 # read what the cache holds
-            k = k.to(cache_dtype).to(q.dtype)
-            v = v.to(cache_dtype).to(q.dtype)
+            k = kv_round_trip(k, cache_dtype, self.k_scale)
+            v = kv_round_trip(v, cache_dtype, self.v_scale)
         o = F.scaled_dot_product_attention(
             q.view(batch, length, self.num_heads, self.head_size).transpose(1, 2),
             k.reshape(batch, length, self.num_kv_heads, self.head_size).transpose(1, 2),
@@ -220,7 +220,7 @@ class CpuSdpaAttention(AttentionBackend):
         kv = _gather_blocks(kv_cache, step["decode_index"], step)  # [2, nd*nblk, bs, Hkv, D]
         kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
         if kv.dtype != q.dtype:
-            kv = kv.to(q.dtype)
+            kv = self._read(kv, q.dtype)
         k = kv[0].transpose(1, 2)                                 # [nd, Hkv, S, D] (a view)
         v = kv[1].transpose(1, 2)
         mask = step["decode_mask"]
@@ -253,7 +253,7 @@ class CpuSdpaAttention(AttentionBackend):
         nd, hkv, group, d = q4.shape
         prefix = kv_cache.index_select(1, plan["prefix_index"]).view(2, plan["prefix_len"], hkv, d)
         if prefix.dtype != q4.dtype:
-            prefix = prefix.to(q4.dtype)
+            prefix = self._read(prefix, q4.dtype)
         qp = q4.permute(1, 0, 2, 3).reshape(1, hkv, nd * group, d)          # every query, one batch
         out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
                                         prefix[1].transpose(0, 1).unsqueeze(0), None, self.scale)
@@ -287,8 +287,8 @@ class CpuSdpaAttention(AttentionBackend):
         if ctx == 0 and simple:
             k, v = k_new, v_new
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
-                k = k.to(kv_cache.dtype).to(q.dtype)
-                v = v.to(kv_cache.dtype).to(q.dtype)
+                k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
+                v = kv_round_trip(v, kv_cache.dtype, self.v_scale)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                is_causal=metadata.causal, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
@@ -298,7 +298,7 @@ class CpuSdpaAttention(AttentionBackend):
         idx = metadata.block_tables[i, :nblk].to(torch.long)
         kv = _gather_blocks(kv_cache, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
         if kv.dtype != q.dtype:
-            kv = kv.to(q.dtype)
+            kv = self._read(kv, q.dtype)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos                                   # causal, offset by the cached context
@@ -315,6 +315,12 @@ class CpuSdpaAttention(AttentionBackend):
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
                                            attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         return o[0].transpose(0, 1)
+
+    def _read(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gathered cache blocks [2, ...] as `dtype` (an fp8 cache times its k/v scales)."""
+        if kv.dtype not in FP8_DTYPES:
+            return kv.to(dtype)
+        return torch.stack((from_kv(kv[0], dtype, self.k_scale), from_kv(kv[1], dtype, self.v_scale)))
 
     def _attend_manual(self, q, k, v, allowed):
         """q [..., Q, D] against k/v [..., S, D] (broadcast over heads), float32 softmax."""

@@ -74,7 +74,10 @@ class FlashInferBackend(PackageBackend):
         return wrapper
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         n = metadata.num_tokens
         wrapper = self._plan(metadata, query, kv_cache.dtype)
-        return wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]))
+        scales = {}
+        if kv_cache.element_size() == 1 and (self.k_scale != 1.0 or self.v_scale != 1.0):
+            scales = {"k_scale": float(self.k_scale), "v_scale": float(self.v_scale)}   # fp8: read x * scale
+        return wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]), **scales)

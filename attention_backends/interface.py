@@ -154,6 +154,11 @@ class AttentionBackend:
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.kv_cache_dtype = kv_cache_dtype
+        # Per-tensor fp8 KV scales (vLLM's k_scale / v_scale): the cache holds x / scale, reads
+        # give back stored * scale. 1.0 unless the checkpoint carries calibrated ones
+        # (core/loaders/kv_scales.py); only an fp8 cache uses them.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -244,11 +249,38 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name]
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys/values into their paged slots (the default cache layout)."""
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Values as an fp8 cache stores them: x / scale, saturated to the format's finite range
+    (a plain cast would turn e4m3's overflow into NaN); other cache dtypes: a cast."""
+    if cache_dtype not in FP8_DTYPES:
+        return x.to(cache_dtype)
+    limit = torch.finfo(cache_dtype).max
+    scaled = x.float() / scale if scale != 1.0 else x.float()      # (x itself for float32 x: no in-place ops)
+    return scaled.clamp(-limit, limit).to(cache_dtype)
+
+
+def from_kv(stored: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What attention reads back from the cache, in `dtype`: stored * scale for fp8."""
+    if stored.dtype not in FP8_DTYPES or scale == 1.0:
+        return stored.to(dtype)
+    return (stored.float() * scale).to(dtype)
+
+
+def kv_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as attention sees it after a write to and a read from a cache of `cache_dtype`."""
+    return x if cache_dtype == x.dtype else from_kv(to_kv(x, cache_dtype, scale), x.dtype, scale)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter this step's keys/values into their paged slots (the default cache layout); an
+    fp8 cache stores key / k_scale and value / v_scale, saturated (to_kv)."""
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, kv_cache.shape[3], kv_cache.shape[4])
-    key, value = key.to(flat.dtype), value.to(flat.dtype)
+    key, value = to_kv(key, flat.dtype, k_scale), to_kv(value, flat.dtype, v_scale)
     if flat.element_size() == 1 and flat.dtype != torch.uint8:   # fp8: index_copy_ has no fp8 kernel on CPU
         flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
     flat[0].index_copy_(0, slot_mapping, key)

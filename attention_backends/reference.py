@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .interface import AttentionBackend, AttentionMetadata, write_kv
+from .interface import AttentionBackend, AttentionMetadata, from_kv, write_kv
 
 
 class ReferenceAttention(AttentionBackend):
@@ -15,11 +15,11 @@ class ReferenceAttention(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_non_causal = True
-    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: unscaled cast on write
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: per-tensor k/v scales
     supported_graph_modes = ("none",)
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(query)
         group = self.num_heads // self.num_kv_heads
         block_size = metadata.block_size
@@ -31,8 +31,8 @@ class ReferenceAttention(AttentionBackend):
             blocks = metadata.block_tables[i, :num_blocks].long()
             k = kv_cache[0, blocks].reshape(-1, self.num_kv_heads, self.head_size)[:seq_len]
             v = kv_cache[1, blocks].reshape(-1, self.num_kv_heads, self.head_size)[:seq_len]
-            k = k.float().repeat_interleave(group, dim=1)            # [S, H, D]
-            v = v.float().repeat_interleave(group, dim=1)
+            k = from_kv(k, torch.float32, self.k_scale).repeat_interleave(group, dim=1)     # [S, H, D]
+            v = from_kv(v, torch.float32, self.v_scale).repeat_interleave(group, dim=1)
             q = query[start:end].float()                            # [Q, H, D]
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
             if self.logits_soft_cap:

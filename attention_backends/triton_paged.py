@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .interface import AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
+from .interface import FP8_DTYPES, AttentionBackend, AttentionConfig, AttentionMetadata, write_kv
 
 _MAX_SPLITS = 8
 
@@ -222,8 +222,13 @@ class TritonPagedAttention(AttentionBackend):
         return reasons
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         decode_split, decode_reduce, prefill = _kernels(_interpreting())
+        # fp8 scales without touching the kernels: q.(k_scale k) = k_scale (q.k) folds into the
+        # softmax scale, and sum p (v_scale v) = v_scale (sum p v) scales the output.
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (1.0, 1.0)
+        softmax_scale = float(self.scale) * k_scale
         num_tokens = metadata.num_tokens
         out = torch.empty_like(query[:num_tokens])
         if num_tokens == 0:
@@ -255,7 +260,7 @@ class TritonPagedAttention(AttentionBackend):
             decode_split[(nd, hkv, num_splits)](
                 q, kv_cache, bt, metadata.seq_lens, m_buf, l_buf, acc_buf,
                 q.stride(0), q.stride(1), skv[0], skv[1], skv[2], skv[3], bt.stride(0),
-                self.num_heads, blocks_per_split, float(self.scale), cap, window,
+                self.num_heads, blocks_per_split, softmax_scale, cap, window,
                 GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=bs, HEAD=head, HEAD_PAD=head_pad,
                 NUM_SPLITS=num_splits, USE_CAP=use_cap, USE_WINDOW=use_window)
             decode_reduce[(nd, self.num_heads)](
@@ -274,8 +279,10 @@ class TritonPagedAttention(AttentionBackend):
                 q, kv_cache, out, bt, metadata.seq_lens, metadata.query_start_loc,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 skv[0], skv[1], skv[2], skv[3], bt.stride(0),
-                nd, float(self.scale), cap, window,
+                nd, softmax_scale, cap, window,
                 GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=bs, HEAD=head, HEAD_PAD=head_pad,
                 BLOCK_M=block_m, USE_CAP=use_cap, USE_WINDOW=use_window,
                 UPCAST=q.dtype == torch.float32 or _interpreting())
+        if v_scale != 1.0:
+            out.mul_(v_scale)
         return out

@@ -11,6 +11,8 @@ Sections (each runs even if an earlier one failed; each is pass / fail / error /
   generate_<dtype> tokenmill.LLM(device="cuda") greedy generation with CUDA graphs on, then with
                    enforce_eager=True: identical tokens (float32 is the strict check; bfloat16 is
                    reported); the memory profiler's block count against mem_get_info
+  tensor_parallel_2 -tp 2 over two GPUs (NCCL; CUDA graphs in each rank): tokens equal -tp 1 (skipped
+                   with fewer than 2 GPUs)
   attention_matrix `tokenmill attention-matrix --device cuda --grid quick` in a subprocess
 
 Prints a concise report; writes JSON to $OUT/gpu_report.json when OUT is set (and to --json).
@@ -227,6 +229,43 @@ def generation(args, dtype: str, profilers: list) -> dict:
     return result
 
 
+@section("tensor_parallel_2")
+def tensor_parallel_2(args) -> dict:
+    """-tp 2 over two GPUs (NCCL, CUDA graphs in each rank's runner): greedy tokens equal -tp 1."""
+    import torch
+    from tokenmill import LLM, SamplingParams
+
+    if args.device != "cuda" or torch.cuda.device_count() < 2:
+        raise SkipSection(f"needs 2 GPUs, found {torch.cuda.device_count() if args.device == 'cuda' else 0}")
+    model = make_tiny_llama(args.tiny_dir)        # 4 heads: splits over 2 ranks (the default model's 9 do not)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(model=model, device="cuda", dtype="float32", gpu_memory_utilization=0.3, max_model_len=512, seed=0)
+    single = LLM(**kw)
+    expected = [list(o.outputs[0].token_ids) for o in single.generate(PROMPTS, params, use_tqdm=False)]
+    del single
+    gc.collect()
+    torch.cuda.empty_cache()
+    t0 = time.time()
+    llm = LLM(tensor_parallel_size=2, **kw)
+    build_s = time.time() - t0
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    readies = llm.engine.executor.readies
+    result = {"build_s": round(build_s, 1), "backend": llm.engine.platform.distributed_backend(),
+              "rank_forward": [r.forward for r in readies], "rank_param_bytes": [r.parameter_bytes for r in readies],
+              "identical_tokens": got == expected, "tokens_head": [t[:8] for t in got]}
+    llm.engine.executor.shutdown()
+    problems = []
+    if got != expected:
+        problems.append("tokens at -tp 2 differ from -tp 1")
+    if result["backend"] != "nccl":
+        problems.append(f"distributed backend {result['backend']!r}, expected nccl")
+    if any(f != "CudaGraphRunner" for f in result["rank_forward"]):
+        problems.append(f"a rank runs without CUDA graphs: {result['rank_forward']}")
+    if problems:
+        result.update(status="fail", reason="; ".join(problems))
+    return result
+
+
 @section("attention_matrix", strict=False)
 def attention_matrix(args) -> dict:
     if args.skip_matrix:
@@ -307,6 +346,7 @@ def main(argv=None) -> int:
         print(f"could not hook the memory profiler: {exc}")
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         section(f"generate_{dtype}", strict=(dtype == "float32"))(generation)(args, dtype, profilers)
+    tensor_parallel_2(args)
     attention_matrix(args)
 
     strict_ok = finish(args)

@@ -94,7 +94,7 @@ class BlockManager:
         num_full = seq.num_tokens // self.block_size
         for i in range(len(memo), num_full):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            memo.append(chain_hash(memo[-1] if memo else None, tokens))
+            memo.append(chain_hash(memo[-1] if memo else seq.cache_salt, tokens))
         return memo
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -103,7 +103,7 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt   # an adapter's KV is its own
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
             seq.block_hashes.append(h)

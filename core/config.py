@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     import torch
 
+    from .lora.config import LoRAConfig
+
 
 # dtype names users may pass -> the canonical name EngineConfig.validate() leaves in ModelConfig.dtype.
 DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float": "float32",
@@ -66,6 +68,13 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # "mp" (one process per rank, this machine), "ray" (one actor per rank, any cluster) or "uni"
+    # (tp = pp = 1, in process); None: uni for one rank, else mp. See core/executor.py.
+    distributed_executor_backend: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -140,12 +149,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: "LoRAConfig" = field(default_factory=lambda: _lora_config())
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to their section."""
         config = cls()
-        sections = [config.model, config.cache, config.scheduler, config.parallel, config.device]
+        sections = [config.model, config.cache, config.scheduler, config.parallel, config.device, config.lora]
         # `device` is both a section and its one important field: accept the flat name.
         for key, value in kwargs.items():
             if key == "speculative_config":
@@ -187,8 +197,18 @@ class EngineConfig:
         if self.model.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.model.runner!r}")
         parse_pooler_override(self.model.pooler_config)
-        if self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1:
-            raise ValueError("tensor_parallel_size/pipeline_parallel_size > 1 are not supported yet")
+        self.lora.validate()
+        if self.lora.enable_lora and (self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1):
+            raise ValueError("enable_lora is not supported with tensor/pipeline parallelism yet")
+        if self.lora.enable_lora:     # captured/fused decode steps bypass the layers' per-row adapter op
+            self.device.enforce_eager = True
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self.parallel, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.parallel.distributed_executor_backend not in (None, "mp", "ray", "uni"):
+            raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', got "
+                             f"{self.parallel.distributed_executor_backend!r}")
 
     def finalize(self, model_max_len: int, pooling: bool = False, causal: bool = True) -> None:
         """Fill defaults that depend on the loaded model (`pooling`: an embedding run; `causal`:
@@ -216,3 +236,8 @@ class EngineConfig:
         if not causal:
             self.scheduler.enable_chunked_prefill = False
             self.scheduler.long_prefill_token_threshold = 0
+
+
+def _lora_config() -> "LoRAConfig":
+    from .lora.config import LoRAConfig
+    return LoRAConfig()

@@ -24,9 +24,12 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
 from .loaders.loader import load_model
-from .model_runner import ModelRunner
+from .executor import make_executor
 from .outputs import EngineStats, RequestDelta, RequestMetrics
+from .lora.manager import attach_lora, cache_salt, enabled
+from .lora.request import LoRARequest
 from .pooling_params import PoolingParams, pooling_request
+from .reasoning_gate import make_reasoning_parser, reasoning_gate
 from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SequenceUpdate
@@ -60,9 +63,9 @@ class LLMEngine:
         self.platform.check_and_update_config(config)
         self.platform.set_seed(config.model.seed)
         start = time.perf_counter()
-        bundle = load_model(config, self.platform, self._choose_backend)
-        self.bundle = bundle
-        self.tokenizer = bundle.tokenizer
+        # With tp/pp > 1 the workers build their shards: here only the metadata (tokenizer, config).
+        bundle = load_model(config, self.platform, self._choose_backend, build=config.parallel.world_size == 1)
+        self.bundle, self.tokenizer = bundle, bundle.tokenizer
         self.weight_dtype, self.dtype = bundle.weight_dtype, bundle.dtype
         self.pooler_config = pooler = bundle.pooler_config     # set: a pooling run (embeddings), no sampling
         config.finalize(bundle.max_model_len, pooler is not None, getattr(bundle.model, "is_causal", True))
@@ -71,16 +74,18 @@ class LLMEngine:
         self.model_name = config.model.served_model_name or _stem(bundle.source.path)
         self.attention_backend_name = bundle.attention_backend.name
 
-        self.runner = ModelRunner(config, self.platform, bundle.model, self.dtype, pooler)
-        self.num_kv_blocks = self.runner.num_blocks
+        self.lora = attach_lora(config, bundle.model, self.platform, self.dtype)   # slots sized before the KV pool
+        self.executor = make_executor(config, self.platform, bundle)    # core/executor.py: in process, mp or ray
+        self.runner, self.num_kv_blocks = self.executor.runner, self.executor.num_blocks   # runner: None at tp/pp > 1
         block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
+        self.executor.lora = self.scheduler.lora = self.lora   # slots taken at admission; a row mapping per step
         self.sampler = Sampler()
         self.vocab_size = int(getattr(bundle.hf_config, "vocab_size", 0) or len(self.tokenizer))
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             config.model.structured_outputs_backend)
-        self.reasoning_parser = _reasoning_parser(config.model.reasoning_parser, self.tokenizer)
+        self.reasoning_parser = make_reasoning_parser(config.model.reasoning_parser, self.tokenizer)
         self.speculator = make_speculator(
             config, self.max_model_len, self.vocab_size, platform=self.platform, choose_backend=self._choose_backend,
             tokenizer=self.tokenizer, tokenizer_path=config.model.tokenizer or bundle.source.path,
@@ -100,7 +105,7 @@ class LLMEngine:
             self.attention_backend_name, time.perf_counter() - start)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB); maximum concurrency at "
                     "max_model_len=%d: %.2fx", self.num_kv_blocks, config.cache.block_size, capacity,
-                    self.num_kv_blocks * self.runner.bytes_per_block / 2**20, self.max_model_len,
+                    self.num_kv_blocks * self.executor.bytes_per_block / 2**20, self.max_model_len,
                     capacity / self.max_model_len)
 
     def _choose_backend(self, attn_config: Any) -> type:
@@ -113,7 +118,7 @@ class LLMEngine:
             f"{weights} weights, {str(self.dtype).replace('torch.', '')} activations"
         if self.config.model.quantization:
             text += f", quantization {self.config.model.quantization}"
-        kv = self.runner.kv_cache_dtype
+        kv = self.executor.kv_cache_dtype
         if kv != self.dtype:
             text += f", KV cache {str(kv).replace('torch.', '')}"
         return text
@@ -175,11 +180,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: int = 0,
-                    max_tokens_must_fit: bool = False, group_id: Optional[str] = None) -> None:
+                    max_tokens_must_fit: bool = False, group_id: Optional[str] = None,
+                    lora_request: Union[LoRARequest, str, None] = None) -> None:
         """Queue a request; RequestError (a ValueError naming the parameter) when it cannot run. `max_tokens_must_fit`:
-        refuse an explicit max_tokens beyond max_model_len (else: capped); `group_id`: see Sequence.group_id."""
+        refuse an explicit max_tokens beyond max_model_len (else: capped); `group_id`: see Sequence.group_id;
+        `lora_request`: run on that adapter (a LoRARequest, or the name of a loaded one)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id", "invalid_value")
+        lora = None if lora_request is None else enabled(self.lora).resolve(lora_request)
         text, token_ids = self.tokenize_prompt(prompt)
         params, pooling = pooling_request(params, self.pooler_config, len(token_ids), self.max_model_len,
                                           self.scheduler.fits_in_pool)
@@ -197,6 +205,7 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(request_id, i, token_ids, params, now, priority, group_id)
             seq.pooling = pooling
+            seq.lora_request, seq.cache_salt = lora, cache_salt(lora)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.platform.device()).manual_seed(params.seed + i)
             if params.detokenize:
@@ -219,7 +228,7 @@ class LLMEngine:
         matchers = self.structured.matchers(compiled, len(request.seqs)) if compiled is not None else None
         gate = None
         if matchers is not None and self.reasoning_parser is not None and request.seqs[0].detokenizer is not None:
-            gate = self._reasoning_gate(request.seqs[0].prompt_token_ids)
+            gate = reasoning_gate(self.reasoning_parser, self.tokenizer, request.seqs[0].prompt_token_ids)
         for i, seq in enumerate(request.seqs):
             if matchers is not None:
                 if gate is None:
@@ -227,15 +236,6 @@ class LLMEngine:
                 else:
                     seq.pending_grammar, seq.grammar_gate = matchers[i], gate
             self.scheduler.add(seq)
-
-    def _reasoning_gate(self, prompt_token_ids: list[int]) -> Any:
-        """None when the reasoning parser says the answer starts at once; else a test on the output
-        text that turns True once the reasoning part is over (the constraint applies after it)."""
-        parser = self.reasoning_parser
-        prompt_text = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
-        if parser.reasoning_ended(prompt_text, ""):
-            return None
-        return lambda output_text: parser.reasoning_ended(prompt_text, output_text)
 
     def _admit_compiled(self) -> list[RequestDelta]:
         """Start the requests whose grammar is compiled; end those whose grammar was refused. With
@@ -284,6 +284,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter by name, as vLLM's engine does; ValueError when it cannot be served."""
+        enabled(self.lora).add_adapter(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return enabled(self.lora).remove_adapter(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.registry.values()) if self.lora is not None else []
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -298,7 +308,8 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, **self.structured.counters(),
-            **(self.speculator.counters() if self.speculator is not None else {}))
+            **(self.speculator.counters() if self.speculator is not None else {}),
+            **(self.lora.counters(self.scheduler.running, self.scheduler.waiting) if self.lora is not None else {}))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestDelta]:
@@ -320,7 +331,7 @@ class LLMEngine:
         if self._emit is not None:
             for seq in batch.preempted:
                 self._event("preempted", self.requests[seq.request_id])
-        result = self.runner.execute(batch)
+        result = self.executor.execute(batch)
         sampled = None
         if result.sampled_seqs:
             eos = self.eos_token_ids
@@ -382,17 +393,6 @@ class LLMEngine:
                                 num_prompt_tokens=head.num_prompt_tokens,
                                 num_output_tokens=sum(s.num_output_tokens for s in request.seqs),
                                 finish_reason=head.finish_reason))
-
-
-def _reasoning_parser(name: Optional[str], tokenizer: Any) -> Any:
-    """The reasoning parser structured outputs wait for (ModelConfig.reasoning_parser), or None."""
-    if not name:
-        return None
-    found = discovery.reasoning_parsers()
-    if name not in found:
-        raise ValueError(f"reasoning_parser {name!r} is not a registered reasoning parser; known: "
-                         f"{', '.join(sorted(found)) or '(none)'}")
-    return found[name](tokenizer)
 
 
 def _stem(path: str) -> str:

@@ -54,6 +54,7 @@ class EngineInfo:
     model_path: Optional[str]
     tokenizer: Any = dataclasses.field(default=None, repr=False)   # the engine's own, pickled across
     runner: str = "generate"          # "pooling": an embedding model (only /v1/embeddings serves it)
+    lora_adapters: dict = dataclasses.field(default_factory=dict)   # LoRA adapter name -> path (--lora-modules)
 
     @property
     def max_concurrency(self) -> float:
@@ -116,7 +117,31 @@ def _engine_info(engine: Any) -> EngineInfo:
         model_path=cfg.model.model,
         tokenizer=tokenizer,
         runner="pooling" if getattr(engine, "pooler_config", None) is not None else "generate",
+        lora_adapters=_lora_adapters(engine),
     )
+
+
+def _lora_adapters(engine: Any) -> dict[str, str]:
+    return {r.lora_name: r.lora_path for r in (engine.list_loras() if hasattr(engine, "list_loras") else [])}
+
+
+def lora_command(engine: Any, op: str, name: str, path: Optional[str] = None) -> tuple[Optional[Exception], Any]:
+    """("load_lora", name, path) / ("unload_lora", name): (None, the adapters now) or (the refusal, None).
+    A load reads and validates the adapter here, so a bad one is refused before any request names it."""
+    from .lora.manager import enabled
+    from .lora.request import LoRARequest
+    try:
+        manager = enabled(getattr(engine, "lora", None))
+        if op == "load_lora":
+            if name in manager.registry:
+                raise RequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name", "invalid_value")
+            engine.add_lora(LoRARequest(name, manager.next_id(), path or ""))
+        elif not engine.remove_lora(name):
+            raise RequestError(f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
+        return None, _lora_adapters(engine)
+    except ValueError as exc:    # LoRAAdapterError names its param; sent as a RequestError (it pickles)
+        return RequestError(str(exc), getattr(exc, "param", "lora_path"),
+                            getattr(exc, "code", None) or "invalid_value"), None
 
 
 def engine_main(conn: Any, factory_path: str, engine_kwargs: dict[str, Any], parent_pid: int,
@@ -155,6 +180,9 @@ def engine_main(conn: Any, factory_path: str, engine_kwargs: dict[str, Any], par
             conn.close()
         except Exception:
             pass
+        executor = getattr(engine, "executor", None)
+        if executor is not None:      # tp/pp workers end with the engine, never left behind
+            executor.shutdown()
 
 
 def _refusal(exc: Exception, log: logging.Logger, request_id: str) -> Exception:
@@ -192,16 +220,21 @@ def run_engine_loop(engine: Any, conn: Any, parent_pid: int, log: logging.Logger
                     group_id = cmd[1][0][0] if cmd[1] else None
                     for request_id, prompt, params, priority in cmd[1]:
                         num_added += 1
+                        # The server names a request's LoRA adapter in its prompt dict (served_names.py).
+                        lora = prompt.pop("lora_request", None) if isinstance(prompt, dict) else None
                         try:
                             # OpenAI refuses a max_tokens that cannot fit; offline callers get it capped.
                             engine.add_request(request_id, prompt, params, priority=priority,
-                                               max_tokens_must_fit=True, group_id=group_id)
+                                               max_tokens_must_fit=True, group_id=group_id,
+                                               **({"lora_request": lora} if lora is not None else {}))
                         except Exception as exc:
                             replies.append(("error", request_id, _refusal(exc, log, request_id)))
                 elif op == "abort":
                     engine.abort_request(cmd[1])    # unknown (already finished) ids are ignored
                 elif op == "ping":
                     replies.append(("pong", cmd[1]))
+                elif op in ("load_lora", "unload_lora"):     # answered once: ("reply", call id, (error, result))
+                    replies.append(("reply", cmd[1], lora_command(engine, op, *cmd[2:])))
                 elif op == "shutdown":
                     return
             if replies:   # before this step's outputs: a refused request fails before its siblings stream
@@ -212,6 +245,9 @@ def run_engine_loop(engine: Any, conn: Any, parent_pid: int, log: logging.Logger
             if os.getppid() != parent_pid:
                 log.warning("server process is gone; engine process exits")
                 return
+            executor = getattr(engine, "executor", None)
+            if executor is not None:     # a worker that died while idle ends the engine too (EngineDeadError)
+                executor.check_health()
         if engine.has_unfinished_requests():
             deltas = engine.step()
             conn.send([("out", deltas, stats_dict(engine), num_added)])

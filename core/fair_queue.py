@@ -33,6 +33,13 @@ class FairQueue:
     def head(self) -> Sequence:
         return self.queues[self.heap[0][-1]][0][1]
 
+    def skip(self) -> None:
+        """The head waits (for an adapter slot): it stays queued, the sequences behind it go on."""
+        group = heapq.heappop(self.heap)[-1]
+        self.queues[group].popleft()
+        if self.queues[group]:
+            heapq.heappush(self.heap, self._key(group))
+
     def pop(self) -> None:
         """The head was admitted: its group holds one more slot; its next sequence queues up."""
         group = heapq.heappop(self.heap)[-1]

@@ -8,17 +8,19 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from tokenmill.attention_backends.interface import AttentionMetadata, kv_cache_torch_dtype
 
+from . import distributed
 from .config import EngineConfig
-from .layers.pooler import Pooler, PoolingChunk
+from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .step_inputs import StepInputs, StepOutput
 
 logger = logging.getLogger("tokenmill.model_runner")
 
@@ -38,6 +40,14 @@ class ForwardResult:
         return self.num_rows if self.num_rows is not None else [1] * len(self.sampled_seqs)
 
 
+def forward_result(out: StepOutput, batch: ScheduledBatch) -> ForwardResult:
+    """A step's output by entry index -> the engine's ForwardResult, with the batch's sequences."""
+    seqs = [seq for seq, _ in batch.entries]
+    return ForwardResult(logits=out.logits, sampled_seqs=[seqs[i] for i in out.sampled],
+                         prompt_logits=[(seqs[i], start, t) for i, start, t in out.prompt_logits],
+                         num_rows=out.num_rows, pooled=out.pooled)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform, model: torch.nn.Module, dtype: torch.dtype,
                  pooler_config: Optional[PoolerConfig] = None) -> None:
@@ -47,6 +57,7 @@ class ModelRunner:
         self.causal = bool(getattr(model, "is_causal", True))
         self.platform = platform
         self.model = model
+        self.lora: Any = None     # the LoRA manager (core/lora/manager.py) when adapters are enabled
         self.dtype = dtype
         self.device = platform.device()
         self.block_size = config.cache.block_size
@@ -67,6 +78,8 @@ class ModelRunner:
         else:
             self.num_blocks = platform.memory_profiler().num_kv_blocks(
                 config, self.bytes_per_block, self._profile_forward)
+        # Every rank holds the same block ids: the smallest pool any rank can afford wins.
+        self.num_blocks = distributed.min_over_ranks(self.num_blocks)
         if self.num_blocks <= 0:
             raise ValueError(
                 f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
@@ -130,6 +143,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> ForwardResult:
+        return forward_result(self.execute_inputs(StepInputs.from_batch(batch), [seq for seq, _ in batch.entries]),
+                              batch)
+
+    @torch.inference_mode()
+    def execute_inputs(self, inputs: StepInputs, seqs: Optional[list[Sequence]] = None) -> StepOutput:
+        """One forward over `inputs` (`seqs`: the batch's sequences, in-process, for pooling)."""
+        step = self.prepare(inputs)
+        return self.finish(step, self.forward(step.input_ids, step.positions, step.metadata), seqs)
+
+    def prepare(self, inputs: StepInputs) -> "PreparedStep":
+        """Flatten the entries into the forward's tensors and note which rows are read after it."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -137,56 +161,67 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sampled: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, int, int]] = []  # seq, chunk start pos, first row, count
-        pooling_chunks: list[PoolingChunk] = []
+        step = PreparedStep()
         row = 0
-        num_rows: list[int] = []
-        for seq, n in batch.entries:
-            start = seq.num_computed_tokens
+        for index, entry in enumerate(inputs.entries):
+            start, n = entry.start, entry.num_tokens
             end = start + n
-            table = seq.block_table
-            drafts = seq.spec_token_ids
-            if drafts:                         # its last token and the drafts: logits at each
-                input_ids.extend(seq.token_ids[start:])
-                input_ids.extend(drafts)
-                sample_rows.extend(range(row, row + n))
-                sampled.append(seq)
-                num_rows.append(n)
-            else:
-                input_ids.extend(seq.token_ids[start:end])
+            table = entry.block_table
+            input_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
-            if seq.pooling is not None:                # prefill only: pooled, never sampled
-                pooling_chunks.append((seq, start, row, n))
-            elif end == seq.num_tokens and not drafts:   # caught up: this step yields its next token
-                sample_rows.append(row + n - 1)
-                sampled.append(seq)
-                num_rows.append(1)
-            # Choices of one request share the prompt: its logprobs come from the first one.
-            if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
-                prompt_rows.append((seq, start, row, min(end, seq.num_prompt_tokens - 1) - start))
+            if entry.pooling:                          # prefill only: pooled, never sampled
+                step.pooling_chunks.append((index, start, row, n))
+            elif entry.sample_rows:                    # the last row, or one per verified draft
+                step.sample_rows.extend(range(row + n - entry.sample_rows, row + n))
+                step.sampled.append(index)
+                step.num_rows.append(entry.sample_rows)
+            if entry.prompt_logprob_rows > 0:
+                step.prompt_rows.append((index, start, row, entry.prompt_logprob_rows))
             row += n
-
+        step.total_rows = row
         dev = self.device
         # One host-to-device copy for the three per-token rows (a decode step is short enough
         # that each tensor built costs measurably).
-        ids_t, pos_t, slots_t = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=dev)
-        meta = self._metadata(query_lens, seq_lens, tables, slots_t, batch.num_decodes)
-        hidden = self.forward(ids_t, pos_t, meta)
+        step.input_ids, step.positions, slots_t = torch.tensor([input_ids, positions, slots], dtype=torch.long,
+                                                               device=dev)
+        step.metadata = self._metadata(query_lens, seq_lens, tables, slots_t, inputs.num_decodes)
+        if self.lora is not None:      # one mapping per step: which rows run on which adapter slot
+            self.lora.set_mapping([(entry.lora_slot, entry.num_tokens) for entry in inputs.entries])
+        return step
+
+    def finish(self, step: "PreparedStep", hidden: torch.Tensor, seqs: Optional[list[Sequence]] = None) -> StepOutput:
+        """Logits of the sampled rows (and prompt-logprob rows), pooled vectors: from the final hidden states."""
         logits = None
-        if sample_rows:
-            if len(sample_rows) == row:            # every row sampled (decode): no gather
+        if step.sample_rows:
+            if len(step.sample_rows) == step.total_rows:    # every row sampled (decode): no gather
                 logits = self.model.compute_logits(hidden).float()
             else:
-                index = torch.tensor(sample_rows, dtype=torch.long, device=dev)
+                index = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
                 logits = self.model.compute_logits(hidden.index_select(0, index)).float()
-        prompt_logits = [(seq, start, self.model.compute_logits(hidden[first:first + count]).float())
-                         for seq, start, first, count in prompt_rows if count > 0]
-        pooled = self.pooler(hidden, pooling_chunks) if pooling_chunks else []
-        return ForwardResult(logits=logits, sampled_seqs=sampled, prompt_logits=prompt_logits,
-                             num_rows=num_rows if len(sample_rows) != len(sampled) else None, pooled=pooled)
+        prompt_logits = [(i, start, self.model.compute_logits(hidden[first:first + count]).float())
+                         for i, start, first, count in step.prompt_rows]
+        pooled = []
+        if step.pooling_chunks:
+            assert seqs is not None, "pooling runs in the engine's process (its state lives on the sequence)"
+            pooled = self.pooler(hidden, [(seqs[i], start, first, n) for i, start, first, n in step.pooling_chunks])
+        num_rows = step.num_rows if len(step.sample_rows) != len(step.sampled) else None
+        return StepOutput(logits=logits, sampled=step.sampled, num_rows=num_rows, prompt_logits=prompt_logits,
+                          pooled=pooled)
+
+
+@dataclass
+class PreparedStep:
+    """A step flattened for the forward, and the rows read after it (by entry index)."""
+    input_ids: Any = None
+    positions: Any = None
+    metadata: Any = None
+    total_rows: int = 0
+    sample_rows: list[int] = field(default_factory=list)
+    sampled: list[int] = field(default_factory=list)
+    num_rows: list[int] = field(default_factory=list)
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)   # entry, start, first row, rows
+    pooling_chunks: list[tuple[int, int, int, int]] = field(default_factory=list)

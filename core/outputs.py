@@ -88,6 +88,13 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list = field(default_factory=list)
+    # LoRA (core/lora/manager.py): requests running / waiting per adapter name, adapters loaded
+    # into a device slot (cumulative swaps) and of those, ones that replaced another; the slot count.
+    lora_running: dict = field(default_factory=dict)
+    lora_waiting: dict = field(default_factory=dict)
+    lora_swaps: int = 0
+    lora_evictions: int = 0
+    max_loras: int = 0
 
 
 @dataclass

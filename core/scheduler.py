@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .block_manager import BlockManager
 from .fair_queue import FairQueue
@@ -85,6 +85,8 @@ class Scheduler:
         # Called with each sequence whose blocks are released (finished, aborted, preempted):
         # state kept per sequence elsewhere (a draft model's KV) goes with them.
         self.on_free: Optional[Callable[[Sequence], None]] = None
+        # LoRA adapter slots (core/lora/manager.py): taken at admission, given back with the blocks.
+        self.lora: Any = None
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
@@ -101,6 +103,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
+        if self.lora is not None:
+            self.lora.release(seq)
         if self.on_free is not None:
             self.on_free(seq)
 
@@ -184,6 +188,10 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, num_new):
                 self._undo_prefix_match(seq)
                 break
+            if self.lora is not None and not self.lora.acquire(seq):
+                self._undo_prefix_match(seq)      # waits for a free adapter slot; others may go first
+                queue.skip()
+                continue
             queue.pop()
             admitted = True
             if self.block_manager.enable_prefix_caching:
@@ -217,7 +225,8 @@ class Scheduler:
         if not self.waiting or len(self.running) < self.config.max_num_seqs:
             return
         held = Counter(s.group_id for s in self.running)
-        starved = next((s for s in self.waiting if s.group_id not in held), None)
+        starved = next((s for s in self.waiting if s.group_id not in held
+                        and (self.lora is None or self.lora.can_acquire(s))), None)   # not one waiting for a slot
         if starved is None:
             return
         num_groups = len(held) + len({s.group_id for s in self.waiting} - held.keys())
@@ -269,6 +278,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        if self.lora is not None:
+            self.lora.release(seq)
         if self.on_free is not None:
             self.on_free(seq)
         seq.num_cached_tokens = 0

@@ -59,6 +59,11 @@ class Sequence:
         # folded in of the chunks computed so far (core/layers/pooler.py).
         self.pooling: Any = None
         self.pooling_partial: Any = None
+        # A LoRA request (core/lora/): its adapter, the device slot it holds while running (-1: none)
+        # and what its prefix-cache hashes start from (None: the base model's).
+        self.lora_request: Any = None
+        self.lora_slot = -1
+        self.cache_salt: Optional[int] = None
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

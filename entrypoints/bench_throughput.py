@@ -311,8 +311,11 @@ def run(args: argparse.Namespace) -> int:
     header = (f"tokenmill {engine.model_name} on {engine.platform.name}, dtype "
               f"{engine.dtype_description}, attention {engine.attention_backend_name}, "
               f"prefix caching {'on' if engine.config.cache.enable_prefix_caching else 'off'}")
+    from tokenmill.core.loaders.resident import weight_memory
+    memory = weight_memory(engine.bundle)
     print(header)
-    results: dict[str, Any] = {"engine": header, "workloads": {}}
+    print(memory["text"])
+    results: dict[str, Any] = {"engine": header, "weight_memory": memory, "workloads": {}}
     if structured:
         results["structured_outputs"] = {"kind": structured, "backend": engine.structured.backend_name}
     no_cache_llm = None

@@ -41,7 +41,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         help="sampling defaults: auto (the model's generation_config.json), vllm or none "
                              "(no model defaults), or a folder holding a generation_config.json")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="GPUs to split the model over (only 1 is supported)")
+                        help="ranks each layer is split over (heads, MLP, vocabulary); docs/distributed.md")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="stages the layers are split into (hidden states passed between them)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
+                        help="how ranks run: mp (one process per rank, this machine; the default for tp/pp > 1), "
+                             "ray (one Ray actor per rank: RAY_ADDRESS's cluster, or a local one)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="accepted for vLLM compatibility; tokenmill never runs a checkpoint's own code")
     parser.add_argument("--structured-outputs-backend", default="auto",
@@ -56,6 +61,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--pooler-config", default=None, metavar="JSON",
                         help='pooling overrides, as vLLM: \'{"pooling_type": "MEAN", "normalize": true}\' '
                              "(pooling_type CLS, MEAN or LAST)")
+    lora = parser.add_argument_group("LoRA adapters (docs/serving.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) beside the base model")
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: --max-loras)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                      help='adapters served from the start, as name=path or \'{"name": .., "path": ..}\'')
     parser.set_defaults(enable_prefix_caching=True, enable_chunked_prefill=True)
 
 
@@ -65,7 +77,8 @@ ENGINE_ARG_NAMES = (
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
-    "runner", "pooler_config",
+    "pipeline_parallel_size", "distributed_executor_backend",
+    "runner", "pooler_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
 )
 
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from tokenmill.core.config import EngineConfig
 from tokenmill.core.engine import LLMEngine, PromptType
+from tokenmill.core.lora.request import LoRARequest
 from tokenmill.core.outputs import EmbeddingOutput, EmbeddingRequestOutput, OutputAccumulator, RequestOutput
 from tokenmill.core.pooling_params import PoolingParams
 from tokenmill.core.sampling_params import SamplingParams
@@ -32,8 +33,10 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`; one SamplingParams for all or one per prompt."""
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; one SamplingParams for all or one per prompt; one
+        LoRARequest for all (LLM(..., enable_lora=True)) or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -48,12 +51,20 @@ class LLM:
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm, priority)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, priority, loras)
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None, **template_kwargs: Any) -> list[RequestOutput]:
+             chat_template: Optional[str] = None,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
@@ -65,7 +76,7 @@ class LLM:
             if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):  # transformers 5 returns a BatchEncoding
                 token_ids = token_ids["input_ids"]
             prompts.append({"prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               pooling_params: Optional[PoolingParams] = None, use_tqdm: bool = True,
@@ -111,7 +122,7 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams], use_tqdm: bool,
-             priority: Optional[list[int]]) -> list[RequestOutput]:
+             priority: Optional[list[int]], loras: Optional[list[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         engine = self.engine
         order: dict[str, int] = {}
         accumulators: dict[str, OutputAccumulator] = {}
@@ -121,7 +132,7 @@ class LLM:
                 # Tokenized here once, so the output can report the prompt the engine ran.
                 text, token_ids = engine.tokenize_prompt(prompt)
                 engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params,
-                                   priority=priority[i] if priority else 0)
+                                   priority=priority[i] if priority else 0, lora_request=loras[i] if loras else None)
                 order[request_id] = i
                 params = params or SamplingParams()
                 accumulators[request_id] = OutputAccumulator(

@@ -11,7 +11,7 @@ from typing import Any
 def add_subparser(subparsers) -> None:
     parser = subparsers.add_parser(
         "platforms", help="list discovered platforms: available or not (and why), attention backends, "
-                          "graph capture, distributed backend",
+                          "graph capture, distributed backend, quantized formats run natively",
         description="List every platform found through the tokenmill.platforms entry points (built in or "
                     "from installed plugins) and whether it can run here, and why not.")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -34,6 +34,8 @@ def collect() -> dict[str, Any]:
             for b in desc.get("attention_backends", [])]
         entry["graph_capture"] = desc.get("graph_capture", [])
         entry["distributed_backend"] = desc.get("distributed_backend")
+        entry["quantization"] = desc.get("quantization", [])
+        entry["quantization_formats"] = desc.get("quantization_formats", {})
         platforms.append(entry)
     return {
         "platforms": platforms,
@@ -71,9 +73,29 @@ def render(data: dict[str, Any]) -> str:
         lines.append("  (* attention backend not loaded here: " + "; ".join(
             f"{name}: {err}" for name, err in sorted(data["attention_backends"]["failed"].items())) + ")")
     lines.append("")
+    lines.append("Quantized checkpoint formats each platform runs without a float copy of the weights")
+    lines.append("(native: a kernel multiplies the stored form; per-tile: kept stored, dequantized a tile at a time):")
+    for p in data["platforms"]:
+        lines.extend(format_lines(p))
+    lines.append("")
     lines.append(f"--device auto -> {data['auto'] or 'nothing available'}")
     lines.append("(every extension of every kind, loaded or refused: tokenmill plugins)")
     return "\n".join(lines)
+
+
+def format_lines(platform: dict[str, Any]) -> list[str]:
+    """'  cpu: native gguf:Q4_0, ...; per-tile gguf:Q5_0, ...; run-time quantization int4, gguf'."""
+    formats: dict[str, str] = platform.get("quantization_formats") or {}
+    native = [f for f, how in formats.items() if how == "native"]
+    tiled = [f for f, how in formats.items() if how != "native"]
+    parts = []
+    if native:
+        parts.append("native " + ", ".join(native))
+    if tiled:
+        parts.append("per-tile " + ", ".join(tiled))
+    if platform.get("quantization"):
+        parts.append("--quantization " + ", ".join(platform["quantization"]))
+    return [f"  {platform['name']}: " + ("; ".join(parts) if parts else "none (checkpoints are dequantized at load)")]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -142,12 +142,18 @@ class CpuPlatform(Platform):
         from .cpu_fused_decode import FusedDecodeCapture, NativeHeadKernel
         from .cpu_linear import Bf16WeightLinear
 
+        if config.model.quantization == "gguf":
+            # Weights stay in GGUF blocks (quantization/gguf_linear.py): no dense-weight kernels.
+            return native_layer_kernels() if cpu_kernels.available() is None else {}
         fused = isinstance(self.graph_capture(config), FusedDecodeCapture)
         if config.model.quantization == "int4":
             kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
             if NativeHeadKernel.available("q8") is None:
                 kernels["lm_head"] = NativeHeadKernel("q8")
             return kernels
+        if config.model.quantization is not None:
+            # awq/gptq/compressed-tensors/fp8/int8 keep their own stored weights: no dense-weight kernels.
+            return {}
         if (fused and config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16
                 and NativeHeadKernel.available("bf16") is None):
             # The decode step's head in the fused step's bf16 form (the weights are bf16 already).
@@ -160,13 +166,36 @@ class CpuPlatform(Platform):
         return {"linear": kernel, "lm_head": kernel}
 
     def quantization_methods(self) -> list[str]:
-        return ["int4"]
+        # awq/gptq/compressed-tensors: checkpoint formats (detected from config.json); fp8/int8:
+        # run-time modes like int4 (quantization/fp8.py, int8.py).
+        return ["int4", "gguf", "awq", "gptq", "compressed-tensors", "fp8", "int8"]
+
+    def native_quantization_formats(self) -> dict[str, str]:
+        """GGUF kept quantized (quantization="gguf"): Q4_0/Q4_1/Q4_K/Q8_0/Q6_K on the AVX512-VNNI
+        matmul (platforms/cpu_gguf_kernels.py), the other block formats dequantized a tile at a
+        time. Read from the CPU flags: listing must not build the kernels."""
+        native = "native" if {"avx512_vnni", "avx512bw"} <= cpu_flags() else "dequantized-per-tile"
+        formats = {f"gguf:{name}": native for name in ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")}
+        formats.update({f"gguf:{name}": "dequantized-per-tile" for name in ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K")})
+        # 4-bit AWQ/GPTQ/W4A16 and FP8 weights: kept packed, upcast a tile of rows per matmul;
+        # INT8 W8A8 (compressed-tensors, quantization="int8"): int8 x int8 GEMMs (torch._int_mm).
+        formats.update({name: "dequantized-per-tile" for name in (
+            "awq", "gptq", "compressed-tensors:w4a16", "compressed-tensors:fp8", "fp8")})
+        formats.update({"compressed-tensors:int8": "native", "int8": "native"})
+        return formats
 
     def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
         """int4: the native ends of its int8 GEMMs (platforms/cpu_kernels.py), when they build here."""
         from . import cpu_kernels
 
-        if name != "int4" or cpu_kernels.available() is not None:
+        if name == "gguf":
+            from . import cpu_gguf_kernels as g
+            if g.available() is not None:
+                return {}
+            return {"fits": g.fits, "pack_affine4": g.pack_affine4, "pack_int8_groups": g.pack_int8_groups,
+                    "matmul": g.matmul, "dequantize_rows": g.dequantize_rows}
+        # int8 and compressed-tensors' W8A8 run the same per-token int8 GEMMs as int4's batches.
+        if name not in ("int4", "int8", "compressed-tensors") or cpu_kernels.available() is not None:
             return {}
         return {"quantize_rows_int8": cpu_kernels.quantize_rows_int8, "dequantize_int32": cpu_kernels.dequantize_int32}
 
@@ -179,6 +208,8 @@ class CpuPlatform(Platform):
                 raise ValueError(f"dtype {config.model.dtype!r} cannot be combined with quantization 'int4' "
                                  f"on the cpu platform; use dtype auto or float32")
             config.model.dtype = "float32"
+        if config.model.quantization == "gguf" and config.model.dtype == "auto":
+            config.model.dtype = "float32"      # the GGUF kernels take float32 activations
         if config.model.dtype == "auto":
             # Measured on this AVX512_BF16 host without AMX (SmolLM2-135M, 2 threads): fp32 is the
             # fastest everywhere — large GEMMs 274 vs 154 GFLOP/s, and a single-stream decode step

@@ -196,6 +196,11 @@ class FusedDecodeCapture(GraphCapture):
 
     def unavailable(self, runner: Any) -> Optional[str]:
         """Why the fused step cannot run this model here, or None."""
+        parallel = getattr(getattr(runner, "config", None), "parallel", None)
+        if parallel is not None and parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+            # One native call per decoder stack cannot all-reduce after its row-parallel layers
+            # nor hand hidden states to another pipeline stage.
+            return "tensor/pipeline parallelism needs collectives inside the step"
         lib, why = LIBRARY.load()
         if lib is None:
             return why

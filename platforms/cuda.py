@@ -108,6 +108,9 @@ class CudaPlatform(Platform):
     def distributed_backend(self) -> str:
         return "nccl"
 
+    def set_device_for_rank(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
+
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float16)     # validates the name
         bf16 = torch.cuda.is_bf16_supported()
@@ -128,6 +131,14 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def lora_kernels(self):
+        """Triton's SGMV shrink/expand (platforms/triton_lora.py) when triton is installed."""
+        import importlib.util
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from .triton_lora import add_lora
+        return add_lora
 
     def device_name(self) -> str:
         return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"

@@ -194,6 +194,10 @@ class Platform:
     def distributed_backend(self) -> str:
         return "gloo"
 
+    def set_device_for_rank(self, local_rank: int) -> None:
+        """Bind this worker process to its accelerator (rank `local_rank` on this machine) before
+        anything is built; host-only platforms have nothing to bind."""
+
     def check_and_update_config(self, config: "EngineConfig") -> None:
         """Fill platform defaults (dtype, block size) and refuse what cannot run here (ValueError)."""
 
@@ -207,6 +211,15 @@ class Platform:
         Checkpoint formats (GGUF, dequantized at load) need no entry here."""
         return []
 
+    def native_quantization_formats(self) -> dict[str, str]:
+        """Checkpoint quantization formats this platform runs without a float copy of the
+        weights, by format name ("gguf:Q4_0", "gguf:Q4_K", ..., "awq", "gptq", "fp8", ...) ->
+        "native" (a kernel multiplies the stored form) or "dequantized-per-tile" (kept in its
+        stored form, dequantized a tile at a time inside the matmul). A format absent here is
+        refused when the checkpoint asks for it (ValueError naming `quantization`, the format and
+        the platforms that list it); `tokenmill platforms` shows this table."""
+        return {}
+
     def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
         """Native kernels for quantization method `name`, under the names the method takes them
         (its `use_kernels`); empty: it runs its torch path."""
@@ -218,6 +231,13 @@ class Platform:
         "linear", "lm_head" (objects with `prepare(weight)` and `__call__(x, prepared, bias)`, for
         dense weights). See core/layers/kernels.py. Empty: torch everywhere."""
         return {}
+
+    def lora_kernels(self) -> Optional[Callable[..., None]]:
+        """The batched LoRA op, `add_lora(y, x, lora_a, lora_b, mapping)` (core/lora/punica.py has
+        the contract and the torch implementation): y[row] += x[row] A[slot]^T B[slot]^T for each
+        row the mapping adapts, lora_a = A^T [slots, in, R], lora_b = B^T [slots, R, out]. None: the
+        torch one."""
+        return None
 
     # Device services the core needs without naming a device API.
     def device(self) -> torch.device:
@@ -246,6 +266,7 @@ class Platform:
             "graph_capture": self.graph_capture_strategies(),
             "distributed_backend": self.distributed_backend(),
             "quantization": self.quantization_methods(),
+            "quantization_formats": self.native_quantization_formats(),
             "description": (type(self).__doc__ or "").strip().splitlines()[0] if type(self).__doc__ else "",
         }
 

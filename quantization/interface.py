@@ -33,6 +33,13 @@ class QuantizationMethod:
         self.kernels: dict[str, Callable[..., Any]] = {}
 
     @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> "QuantizationMethod":
+        """The method for a checkpoint that config.json's `quantization_config` (`config`)
+        says is stored in this format; ValueError naming `quantization` for a variant the method
+        cannot run. The default: the method takes no settings."""
+        return cls()
+
+    @classmethod
     def available(cls) -> Optional[str]:
         """None when this torch build can run the method, else why not."""
         return None

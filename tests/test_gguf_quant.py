@@ -218,6 +218,7 @@ def test_quantization_methods_come_from_the_one_registry():
     from tokenmill.plugins import discovery
     from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
     methods = discovery.quantization_methods()
-    assert methods["gguf"] is GGUFQuantization and methods["int4"] is CpuInt4Quantization
+    from tokenmill.quantization.gguf_linear import GGUFLinearMethod
+    assert methods["gguf"] is GGUFLinearMethod and methods["int4"] is CpuInt4Quantization
     for cls in methods.values():
         assert issubclass(cls, QuantizationMethod) and cls.api_version == QUANTIZATION_API_VERSION

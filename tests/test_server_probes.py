@@ -139,10 +139,15 @@ def test_unknown_flag_is_an_error_under_the_serve_usage_naming_the_closest_flag(
     assert "did you mean --enable-prefix-caching?" in done.stderr
 
 
-def test_tensor_parallel_other_than_1_is_a_clear_error():
-    done = _cli("serve", "-tp", "2", "--device", "cpu")
+def test_tensor_parallel_sizes_the_model_cannot_split_are_a_clear_error():
+    done = _cli("serve", "-tp", "0", "--device", "cpu")
     assert done.returncode == 2 and "usage: tokenmill serve" in done.stderr
-    assert "only 1 is supported" in done.stderr
+    assert "--tensor-parallel-size/-tp 0: must be >= 1" in done.stderr
+    # The default model has 9 query heads (docs/distributed.md): refused before any worker starts.
+    done = _cli("serve", "-tp", "2", "--device", "cpu")
+    assert done.returncode != 0
+    assert "tensor_parallel_size=2 cannot split this model" in done.stderr + done.stdout
+    assert "values that work: 1, 3" in done.stderr + done.stdout
 
 
 def test_the_serve_parser_reads_vllm_spellings():

@@ -54,10 +54,35 @@ def safetensors_files(path: str) -> list[str]:
                             "model.safetensors.index.json); .bin checkpoints are not supported")
 
 
-def iterate_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of the checkpoint, one file open at a time."""
+def iterate_safetensors(path: str, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor) for every tensor of the checkpoint, one file open at a time. `lazy`
+    (tensor parallelism): a LazySlice instead, so that a rank's loader reads only its rows/columns."""
     from safetensors import safe_open
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as fh:
             for name in fh.keys():
-                yield name, fh.get_tensor(name)
+                yield name, (LazySlice(fh.get_slice(name)) if lazy else fh.get_tensor(name))
+
+
+class LazySlice:
+    """A checkpoint tensor not read yet: `narrow` reads only that part of the file (safetensors'
+    get_slice); `materialize` reads it all. Weight loaders that narrow (`narrows_lazily`) get
+    this; every other one gets the tensor."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+        self.shape = torch.Size(handle.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * self.dim()
+        index[dim] = slice(start, start + length)
+        return self._handle[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._handle[:]
+
+    def float(self) -> torch.Tensor:       # for readers of small tensors by value (kv_scales.py)
+        return self.materialize().float()

@@ -16,16 +16,19 @@ from torch import nn
 from tokenmill.attention_backends.interface import AttentionConfig
 from tokenmill.plugins import discovery
 from tokenmill.quantization.gguf import GGUFQuantization
+from tokenmill.quantization.gguf_linear import GGUFLinearMethod
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..config import EngineConfig, torch_dtype
+from ..distributed import check_parallel_sizes
 from ..layers.kernels import apply_layer_kernels
 from ..models.pooling_adapter import as_pooling_model
 from ..models.registry import resolve_architecture
 from ..pooler_config import PoolerConfig, resolve_pooler_config
-from . import gguf_loader, hf
+from . import gguf_kept, gguf_loader, hf, quant_config
 from .gguf_file import GGUFFile
+from .kv_scales import KVScales
 from .model_source import ModelSource, resolve_model_source
 from .weights import load_weights, process_weights_after_loading
 
@@ -115,16 +118,17 @@ def _max_model_len(config: Any) -> int:
     return 2048
 
 
-def quantization_method(name: Optional[str], platform: PlatformLike) -> QuantizationMethod:
+def quantization_method(name: Optional[str], platform: PlatformLike,
+                        checkpoint_config: Optional[dict] = None) -> QuantizationMethod:
     """The linear method for `quantization=name`: dense for None; else one the platform runs,
     found in the registry (entry-point group tokenmill.quantization_methods), holding the
-    platform's kernels. ValueError naming `quantization` for anything else."""
+    platform's kernels, built from the checkpoint's quantization_config when it is stored
+    quantized. ValueError naming `quantization` for anything else."""
     if name is None:
         return UnquantizedLinearMethod()
     offered = platform.quantization_methods()
     if name not in offered:
-        raise ValueError(f"quantization {name!r} is not supported on the {platform.name} platform; "
-                         f"supported: {offered or 'none'} (or leave it unset: checkpoints are dequantized at load)")
+        raise quant_config.unsupported(name, platform.name, offered, checkpoint_config is not None)
     registered = discovery.quantization_methods()
     if name not in registered:
         raise ValueError(f"quantization {name!r} is offered by the {platform.name} platform but no such "
@@ -133,17 +137,23 @@ def quantization_method(name: Optional[str], platform: PlatformLike) -> Quantiza
     reason = method_cls.available()
     if reason:
         raise ValueError(f"quantization {name!r} cannot run here: {reason}")
-    method = method_cls()
+    method = method_cls.from_config(checkpoint_config) if checkpoint_config is not None else method_cls()
     method.use_kernels(platform.quantization_kernels(name))
     return method
 
 
 def load_model(config: EngineConfig, platform: PlatformLike,
-               choose_backend: Callable[[AttentionConfig], type]) -> ModelBundle:
+               choose_backend: Callable[[AttentionConfig], type], build: bool = True) -> ModelBundle:
     """Build and load the model `config` names, on `platform`, with the attention backend
     `choose_backend` picks for its geometry. `config` has been through EngineConfig.validate and
-    platform.check_and_update_config (config.model.dtype is a canonical name, not "auto")."""
-    method = quantization_method(config.model.quantization, platform)     # refuse before reading files
+    platform.check_and_update_config (config.model.dtype is a canonical name, not "auto").
+    `build` False: everything but the network (model None) — the engine of a tensor/pipeline-
+    parallel run, whose workers each build and load their own shard."""
+    # A checkpoint stored quantized (config.json's quantization_config) names its method.
+    stored_config = quant_config.read_quantization_config(config.model.model)
+    config.model.quantization = quant_config.resolve_quantization(config.model.quantization,
+                                                                  quant_config.checkpoint_format(stored_config))
+    method = quantization_method(config.model.quantization, platform, stored_config)   # refuse before reading weights
     weight_dtype = torch_dtype(config.model.dtype)
     dtype = platform.activation_dtype(weight_dtype)
     meta = _load_metadata(config.model.model, config.model.tokenizer)
@@ -157,18 +167,45 @@ def load_model(config: EngineConfig, platform: PlatformLike,
         meta.hf_config, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
         graph_capture=platform.graph_capture(config).backend_mode(), device=platform.dispatch_key)
     backend_cls = choose_backend(attn_config)
+    parallel = config.parallel
+    check_parallel_sizes(meta.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if parallel.world_size > 1 and config.model.quantization is not None:
+        raise ValueError(f"quantization {config.model.quantization!r} is not supported with "
+                         "tensor_parallel_size/pipeline_parallel_size > 1 yet")
+    net: Optional[nn.Module] = None
+    if not build:
+        return _bundle(config, meta, architecture, model_cls, None, weight_dtype, dtype, backend_cls, pooler_config)
     # Parameters are built on the target device, uninitialized (loading fills every one), in the
     # activation dtype: where weights are narrower (bf16 on a CPU without AMX) a platform layer
     # kernel rounds them (Bf16WeightLinear).
     with torch.device(platform.device()):
         net = model_cls(meta.hf_config, backend_cls, dtype, config.cache.kv_cache_dtype, method)
+        quant_config.drop_ignored_layers(net, method, dtype)      # layers a quantized checkpoint keeps in float
+    kept = isinstance(method, GGUFLinearMethod)      # quantization="gguf": blocks stay as stored
+    if kept and meta.gguf is None:
+        raise ValueError("quantization 'gguf' needs a GGUF checkpoint (a .gguf file)")
     if meta.gguf is not None:
+        if kept:
+            gguf_kept.check_formats(meta.gguf, platform)
+            gguf_kept.keep_embeddings_stored(net, method)
         load_weights(net, gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config), GGUFQuantization())
     else:
-        load_weights(net, hf.iterate_safetensors(meta.source.path))
+        kv_scales = KVScales()                # fp8 KV-cache scales are not weights: set on the attention layers
+        # Tensor parallelism: each rank reads only its part of each tensor (hf.LazySlice).
+        lazy = parallel.tensor_parallel_size > 1
+        load_weights(net, kv_scales.filter(hf.iterate_safetensors(meta.source.path, lazy=lazy)))
+        kv_scales.apply(net, config.cache.kv_cache_dtype)
     process_weights_after_loading(net)
+    if kept:
+        gguf_kept.finish(net, method)
     apply_layer_kernels(net, platform.layer_kernels(config))
     net.eval()
+    return _bundle(config, meta, architecture, model_cls, net, weight_dtype, dtype, backend_cls, pooler_config)
+
+
+def _bundle(config: EngineConfig, meta: _Metadata, architecture: str, model_cls: Any, net: Optional[nn.Module],
+            weight_dtype: torch.dtype, dtype: torch.dtype, backend_cls: type,
+            pooler_config: Optional[PoolerConfig]) -> ModelBundle:
     return ModelBundle(
         model=net, hf_config=meta.hf_config, tokenizer=meta.tokenizer, source=meta.source,
         architecture=architecture, weight_dtype=weight_dtype, dtype=dtype, attention_backend=backend_cls,

@@ -62,8 +62,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        tensor = checkpoint_format.load_tensor(stored) if checkpoint_format is not None else stored
+        # A parameter that keeps the checkpoint's own form (quantization="gguf") takes it as stored.
+        keep = checkpoint_format is None or getattr(param, "loads_stored", False)
+        tensor = stored if keep else checkpoint_format.load_tensor(stored)
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if hasattr(tensor, "materialize") and not getattr(loader, "narrows_lazily", False):
+            tensor = tensor.materialize()         # a lazy checkpoint slice (hf.LazySlice): read it whole
         try:
             loader(param, tensor, shard_id)
         except ValueError as exc:

@@ -15,6 +15,7 @@ from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
+from .. import distributed
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
 from ..layers.embedding import LMHead, VocabEmbedding
@@ -48,14 +49,23 @@ class LlamaAttention(nn.Module):
                  dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  quant_method: QuantizationMethod) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = _head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias,
-                               dtype=dtype, quant_method=quant_method)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant_method)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = d = _head_dim(config)
+        # Tensor parallelism: each rank holds 1/tp of the query heads and the KV heads they read
+        # (one KV head replicated over tp/num_kv ranks when there are fewer KV heads than ranks).
+        rank, tp = distributed.tp_rank(), distributed.tp_size()
+        self.num_heads = total_heads // tp
+        self.num_kv_heads = max(1, total_kv_heads // tp)
+        first_kv = rank * total_kv_heads // tp if total_kv_heads < tp else rank * self.num_kv_heads
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        kv_slice = (first_kv * d, self.kv_size)
+        self.qkv_proj = Linear(config.hidden_size, [total_heads * d, total_kv_heads * d, total_kv_heads * d],
+                               bias=qkv_bias, dtype=dtype, quant_method=quant_method, parallel="column",
+                               shard_slices=[(rank * self.q_size, self.q_size), kv_slice, kv_slice])
+        self.o_proj = Linear(total_heads * d, config.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant_method,
+                             parallel="row")
         self.rotary_emb = rotary
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -87,9 +97,9 @@ class LlamaMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"activation {act!r} is not supported (only silu)")
         self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
-                                   quant_method=quant_method)
+                                   quant_method=quant_method, parallel="column")
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype,
-                                quant_method=quant_method)
+                                quant_method=quant_method, parallel="row")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,24 +133,42 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, attn_backend_cls: type, dtype: torch.dtype, kv_cache_dtype: str,
                  qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_method: QuantizationMethod) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # Pipeline parallelism: this stage builds only its layers (the others are PPMissingLayer,
+        # holding nothing); the first stage embeds, the last one applies the final norm.
+        state = distributed.get_state()
+        self.start_layer, self.end_layer = distributed.stage_layers(config.num_hidden_layers, state.pp_rank,
+                                                                    state.pp_size)
+        self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype) \
+            if self.is_first_stage else PPMissingLayer()
         # One cos/sin table shared by every layer.
         rotary = get_rope(config, _head_dim(config), config.max_position_embeddings, dtype)
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm,
-                              quant_method)
+                              quant_method) if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata,
+                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final hidden states; at a pipeline stage that is not the last, [2, T, H] hidden and
+        residual for the next stage, which passes them back in as `intermediate`."""
         self.rotary_emb.new_forward()
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate[0], intermediate[1]
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if not self.is_last_stage:
+            return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+
+class PPMissingLayer(nn.Identity):
+    """A layer another pipeline stage holds: no parameters here (the loader skips its weights)."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,10 +201,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, self.qk_norm,
                                 quant_method)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        stage = self.model
+        # A tied head on a last stage that is not the first loads its own copy (of embed_tokens).
+        tied = self.tie_word_embeddings and stage.is_first_stage
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype,
-                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-                              quant_method=quant_method.lm_head_method())
-        self.attention_layers: list[Attention] = [layer.self_attn.attn for layer in self.model.layers]
+                              tied_to=stage.embed_tokens if tied else None,
+                              quant_method=quant_method.lm_head_method()) if stage.is_last_stage else PPMissingLayer()
+        self.attention_layers: list[Attention] = [layer.self_attn.attn
+                                                  for layer in stage.layers[stage.start_layer:stage.end_layer]]
 
     @classmethod
     def attention_config(cls, hf_config: Any, dtype: torch.dtype, kv_cache_dtype: str = "auto",
@@ -191,8 +223,26 @@ class LlamaForCausalLM(nn.Module):
             kv_cache_dtype=kv_cache_dtype, block_size=block_size, sliding_window=max(windows, default=None),
             logits_soft_cap=None, graph_capture=graph_capture, device=device)
 
-    def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor, attn_metadata) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+    def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor, attn_metadata,
+                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, intermediate)
+
+    def checkpoint_name(self, name: str) -> Optional[str]:
+        """None for a checkpoint tensor another pipeline stage holds (and a tied head's copy of the
+        embedding, stored as lm_head, on a last stage that is not the first)."""
+        stage = self.model
+        if stage.is_first_stage and stage.is_last_stage:
+            return name
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return name if stage.start_layer <= index < stage.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if stage.is_first_stage:
+                return name
+            return "lm_head.weight" if stage.is_last_stage and self.tie_word_embeddings else None
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return name if stage.is_last_stage else None
+        return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -6,6 +6,14 @@
     python docs/bench/perplexity.py --dtype bfloat16                          # bf16 weights, as prefill runs
     python docs/bench/perplexity.py --quantization int4 --path fused-decode   # what decode steps run
     python docs/bench/perplexity.py --dtype bfloat16 --path fused-decode
+    python docs/bench/perplexity.py --quantization int8      # int8 weights at load, per-token int8 activations
+    python docs/bench/perplexity.py --quantization fp8       # fp8 (e4m3) weights at load, W8A16
+    python docs/bench/perplexity.py --quantization gguf      # the GGUF's blocks kept (quantization/gguf_linear.py)
+    python docs/bench/perplexity.py --model F.gguf --tokenizer DEFAULT --quantization gguf   # any GGUF, e.g.
+        one from docs/bench/requantize_gguf.py (Q4_0 ... Q8_0, Q4_K, mixed, F32 baseline)
+    python docs/bench/perplexity.py --model DIR              # an HF checkpoint, e.g. one written by
+        docs/bench/quantize_checkpoint.py in AWQ, GPTQ or compressed-tensors format (detected
+        from its config.json); `--format float` there gives the float32 baseline as HF weights
 
 Prompt logprobs come from one prefill per passage, so without --path they measure the batched
 (8+ rows) numerics; --path int4-kernel routes every row count through the small-batch kernel;
@@ -65,12 +73,19 @@ def decode_nll(llm: LLM, token_ids: list[int]) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the default model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer path; DEFAULT: the default model's GGUF (for files written by "
+                             "docs/bench/requantize_gguf.py, which carry none)")
+    parser.add_argument("--quantization", default=None, help="e.g. gguf: a GGUF file's blocks kept quantized")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--path", choices=["as-shipped", "int4-kernel", "fused-decode"], default="as-shipped")
     args = parser.parse_args()
-    llm = LLM(quantization=args.quantization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+    if args.tokenizer == "DEFAULT":
+        from tokenmill.core.loaders.model_source import resolve_model_source
+        args.tokenizer = resolve_model_source(None).path
+    llm = LLM(model=args.model, tokenizer=args.tokenizer, quantization=args.quantization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=2048)
     if args.path == "int4-kernel":
         from tokenmill.quantization.cpu_int4 import CpuInt4Quantization

@@ -23,6 +23,8 @@ The model loads in the background while the server already answers: /health/live
 /health/ready (and every route that needs the engine) with 503 until a request can be served.
 If the engine process dies, its in-flight requests fail at once and the server exits with status 1
 (for a supervisor to restart it), or with --restart-engine starts a new engine (`Serving.engine_died`).
+The routes reach the engines through model_router.py (one `Serving` per model: `--models FILE`, and models
+loaded at run time; a ReplicaSet for `--data-parallel-size N`), where one model's death is only that model's.
 """
 from __future__ import annotations
 
@@ -40,11 +42,13 @@ from . import errors as E
 from .batch_routes import add_batch_routes
 from .dashboard import add_dashboard_routes
 from .engine_client import EngineClient
-from .http import Guard, error_response
+from .http import Guard, error_response, read_json
 from .metrics import CONTENT_TYPE_LATEST
+from .model_router import ModelRouter, ModelSelector
 from .openapi_doc import install as install_openapi
 from .serving import ServerSettings, ServerState
 from .serving_chat import create_chat_completion
+from .serving_lora import add_lora_routes, lora_model_cards
 from .serving_completions import create_completion
 from .serving_embeddings import create_embedding
 from .serving_messages import count_message_tokens, create_message
@@ -185,14 +189,15 @@ def _allowed_methods(app: FastAPI, scope: dict) -> list[str]:
     return sorted(methods)
 
 
-def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
-    """/health (/ping), /health/live, /health/ready, /version, /metrics and the model list."""
-    client = serving.client
+def _add_meta_routes(app: FastAPI, serving: ModelRouter) -> None:
+    """/health (/ping), /health/live, /health/ready, /version, /metrics, the model list, and loading and
+    unloading models (model_router.py; with several models /health reports each one)."""
 
     @app.get("/health")
     async def health() -> Response:
-        serving.require()
-        if await client.ping(timeout=10.0):
+        if serving.several:
+            return await serving.health(ready=False)
+        if await serving.require().client.ping(timeout=10.0):
             return Response(status_code=200)
         return error_response(E.engine_dead())
 
@@ -205,11 +210,13 @@ def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
     async def health_ready() -> JSONResponse:
         """200 only when a request can be served now: the model is loaded, the engine process alive and
         answering, the server not shutting down, and its waiting queue not full."""
+        if serving.several:
+            return await serving.health(ready=True)
         state = serving.require()
         if state.shutting_down:
             raise E.server_shutting_down()
         state.admit(1)
-        if not await client.ping(timeout=5.0):
+        if not await state.client.ping(timeout=5.0):
             raise E.engine_dead()
         return JSONResponse({"status": "ready"})
 
@@ -223,24 +230,38 @@ def _add_meta_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(serving.require().metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card(state: ServerState, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                 "root": state.info.model_path or state.info.model_name, "parent": None,
                 "max_model_len": state.info.max_model_len}
 
+    def model_cards() -> list[dict[str, Any]]:     # the models, then their LoRA adapters (serving_lora.py)
+        listed = serving.listed()
+        return [model_card(state, m) for state, m in listed] + lora_model_cards(listed, model_card)
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        state = serving.require()
-        return JSONResponse({"object": "list", "data": [model_card(state, m) for m in state.model_names]})
+        return JSONResponse({"object": "list", "data": model_cards()})
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> JSONResponse:
-        state = serving.require()
-        if model_id not in state.model_names:
-            raise E.model_not_found(model_id)
-        return JSONResponse(model_card(state, model_id))
+        for card in model_cards():
+            if card["id"] == model_id:
+                return JSONResponse(card)
+        raise E.model_not_found(model_id)
+
+    @app.post("/v1/models/load")
+    async def load_model(request: Request) -> JSONResponse:
+        """Start an engine for another model: {"name", "model" (or "path"), engine options...}."""
+        loaded = await serving.load(await read_json(request))
+        return JSONResponse(model_card(loaded["state"], loaded["name"]))
+
+    @app.post("/v1/models/unload")
+    async def unload_model(request: Request) -> JSONResponse:
+        name = await serving.unload(await read_json(request))
+        return JSONResponse({"id": name, "object": "model", "deleted": True})
 
 
 def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeout: Optional[float] = None,
@@ -250,28 +271,18 @@ def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeou
     in the background (`on_ready(state)` / `on_failed(exc)` tell how that went) while the server already
     answers. `.state` is the `Serving` (the server drains it on shutdown); the engine process is shut
     down when the app's lifespan ends. `tracer` (a tracing.RequestTracer) writes a span per request."""
-    serving = Serving(client, settings, tracer)
-    serving.on_engine_failed, serving.startup_timeout = on_failed, startup_timeout
+    # `client`: an EngineClient, a ReplicaSet (-dp N) or the ModelTable of --models FILE (model_router.py).
+    serving = ModelRouter(lambda c, s: Serving(c, s, tracer), settings, client, on_failed, startup_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        loading = None
-        if client.info is None:
-            loading = loop.create_task(serving.load(startup_timeout, on_ready, on_failed))
-        else:
-            state = serving.started(loop)
-            if on_ready is not None:
-                on_ready(state)
+        loading = serving.start(asyncio.get_running_loop(), on_ready, on_failed)    # every model, at once
         try:
             yield
         finally:
-            if loading is not None:
-                loading.cancel()
-            for callback in serving.on_stopping:
-                callback()
-            # An engine still loading its model reads no command: do not wait long for it to obey one.
-            client.shutdown(timeout=10.0 if serving.state is not None else 1.0)
+            for task in loading:
+                task.cancel()
+            serving.shutdown()      # the app's callbacks, then every engine process
             if tracer is not None:
                 tracer.shutdown()       # flush the spans not exported yet
 
@@ -280,7 +291,9 @@ def create_app(client: EngineClient, settings: ServerSettings, *, startup_timeou
     app.router.redirect_slashes = False     # its redirect's Location comes from the client's Host header
     app.state.tokenmill = serving
     _add_error_handlers(app)
+    app.add_middleware(ModelSelector, router=serving)     # with several models: the body's `model` picks one
     _add_meta_routes(app, serving)
+    add_lora_routes(app, serving)
     add_dashboard_routes(app, serving)
 
     @app.post("/v1/completions")

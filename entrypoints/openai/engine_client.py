@@ -236,6 +236,26 @@ class EngineClient:
         finally:
             self._pings.pop(pid, None)
 
+    async def call(self, op: str, *args: Any, timeout: float = 120.0) -> Any:
+        """A command the engine answers once, between steps (load_lora / unload_lora): its result, or
+        the engine's refusal raised as it is; EngineDeadError when the engine is gone."""
+        if not self.is_alive or self._loop is None:
+            raise EngineDeadError(self._dead_reason or "engine is not running")
+        call_id = next(self._ping_ids)
+        fut = self._loop.create_future()
+        self._pings[call_id] = fut           # shares the pings' table: a death answers False to both
+        self._send_q.put((op, call_id, *args))
+        try:
+            reply = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pings.pop(call_id, None)
+        if reply is False:
+            raise EngineDeadError(self._dead_reason or "engine process exited")
+        error, result = reply
+        if error is not None:
+            raise error
+        return result
+
     # -------------------------------------------------------------- requests
     def add(self, requests: Sequence[NewRequest], priority: int = 0) -> None:
         """Send requests to the engine in ONE command: the engine validates them all before its next
@@ -312,10 +332,10 @@ class EngineClient:
                 sink = self._sinks.pop(msg[1], None)
                 if sink is not None:
                     sink.put_nowait(msg[2])
-            elif op == "pong":
+            elif op in ("pong", "reply"):
                 fut = self._pings.get(msg[1])
                 if fut is not None and not fut.done():
-                    fut.set_result(True)
+                    fut.set_result(True if op == "pong" else msg[2])
             elif op == "fatal":
                 logger.error("engine process failed:\n%s", msg[1])
                 self._mark_dead("engine step failed")

@@ -10,6 +10,9 @@ from typing import Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.metrics import MetricWrapperBase
+
+from .lora_metrics import LoRAGauges, lora_families
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -20,7 +23,7 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 _COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
                    "generation_tokens", "num_constrained_requests", "grammar_compile_seconds",
-                   "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+                   "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "lora_swaps")
 
 
 class ServerMetrics:
@@ -28,7 +31,10 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
-        r = self.registry
+        # Several models share one registry (model_router.py): the first creates the families, the others
+        # build theirs in a scratch registry and then take the first one's (below), with their own labels.
+        shared = getattr(self.registry, "_tokenmill_server_metrics", None)
+        r = self.registry if shared is None else CollectorRegistry()
         self.num_requests_running = Gauge("tokenmill:num_requests_running",
                                           "Number of requests in the running batch.", labels, registry=r)
         self.num_requests_waiting = Gauge("tokenmill:num_requests_waiting",
@@ -59,7 +65,10 @@ class ServerMetrics:
                                              "Number of draft tokens.", labels, registry=r),
             "spec_num_accepted_tokens": Counter("tokenmill:spec_decode_num_accepted_tokens",
                                                 "Number of accepted tokens.", labels, registry=r),
+            "lora_swaps": Counter("tokenmill:lora_swaps", "LoRA adapters loaded into a device slot.", labels,
+                                  registry=r),
         }
+        self.lora_requests_info, self.lora_running, self.lora_waiting = lora_families(labels, r)
         self.spec_accepted_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.", labels + ["position"],
                                              registry=r)
@@ -82,6 +91,12 @@ class ServerMetrics:
         self.request_queue_time = Histogram("tokenmill:request_queue_time_seconds",
                                             "Histogram of time spent waiting in the queue, in seconds.", labels,
                                             buckets=_LATENCY_BUCKETS, registry=r)
+        if shared is None:
+            self.registry._tokenmill_server_metrics = self     # type: ignore[attr-defined]
+        else:
+            for key, value in vars(shared).items():
+                if isinstance(value, MetricWrapperBase) or key == "counters":
+                    setattr(self, key, value)
         m = model_name
         self._running = self.num_requests_running.labels(m)
         self._waiting = self.num_requests_waiting.labels(m)
@@ -96,6 +111,7 @@ class ServerMetrics:
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(m, reason)
         self._aborted.inc(0)
+        self._lora = LoRAGauges(m, self.lora_requests_info, self.lora_running, self.lora_waiting)
 
     # ---------------------------------------------------------------- engine stats
     def update_stats(self, stats: Mapping[str, float]) -> None:
@@ -104,6 +120,7 @@ class ServerMetrics:
         self._running.set(stats.get("num_running", 0))
         self._waiting.set(stats.get("num_waiting", 0))
         self._kv.set(stats.get("kv_cache_usage", 0.0))
+        self._lora.update(stats)
         for name in _COUNTER_FIELDS:
             value = stats.get(name, 0) or 0     # ints, and float seconds
             delta = value - self._last[name]
@@ -124,6 +141,7 @@ class ServerMetrics:
         self._running.set(0)
         self._waiting.set(0)
         self._kv.set(0.0)
+        self._lora.engine_gone()
         self._last = {k: 0 for k in _COUNTER_FIELDS}
         self._last_per_pos = []
 

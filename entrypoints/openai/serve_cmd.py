@@ -52,6 +52,8 @@ def add_subparser(subparsers: Any) -> argparse.ArgumentParser:
                             "default ~/.cache/tokenmill/batches)")
     from .connection_guard import add_connection_args
     from .limits import add_limit_args
+    from .model_config import add_model_table_args
+    add_model_table_args(parser.add_argument_group("several models, data parallelism (docs/serving.md)"))
     add_limit_args(parser.add_argument_group("request limits (docs/serving.md, Limits and timeouts)"))
     add_connection_args(parser.add_argument_group("connections and timeouts"))
     parser.set_defaults(func=run)
@@ -115,9 +117,10 @@ def check_vllm_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         if args.model is not None and args.model != args.model_flag:
             parser.error(f"the model is given twice: {args.model!r} and --model {args.model_flag!r}")
         args.model = args.model_flag
-    if args.tensor_parallel_size != 1:
-        parser.error(f"--tensor-parallel-size/-tp {args.tensor_parallel_size}: tokenmill runs a model on one "
-                     "device; only 1 is supported")
+    for flag, value in (("--tensor-parallel-size/-tp", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size/-pp", getattr(args, "pipeline_parallel_size", 1))):
+        if value < 1:
+            parser.error(f"{flag} {value}: must be >= 1")
     if args.trust_remote_code:
         logger.info("--trust-remote-code: accepted; no remote code is run (tokenmill implements the supported "
                     "architectures itself)")
@@ -198,7 +201,7 @@ def _Server(config: Any, state: Any, drain_timeout: float) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .engine_client import EngineClient
+    from .model_config import build_engines
 
     check_parser_args(args)
     check_vllm_args(getattr(args, "_cli_parser", None) or argparse.ArgumentParser("tokenmill serve"), args)
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(str(exc)) from None
         logger.info("tracing: OpenTelemetry spans to %s", args.otlp_traces_endpoint)
 
-    client = EngineClient(kwargs, factory=args.engine_factory, log_level=log_level)
+    client = build_engines(args, kwargs, log_level)     # one engine, -dp replicas, or --models FILE's models
     client.spawn()          # the model loads while the web stack below is imported
     import uvicorn
 

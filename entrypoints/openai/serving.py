@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional
@@ -30,6 +29,7 @@ from .engine_client import EngineClient, EngineDeadError
 from .http import SSE_DONE, ClientGone, SSEResponse, race_disconnect, sse
 from .limits import RequestLimits, prompt_byte_bound
 from .metrics import ServerMetrics
+from .served_names import check_served_model, default_served_name, engine_prompt  # noqa: F401 (re-exported)
 from .workers import Workers
 
 logger = logging.getLogger("tokenmill.serve")
@@ -56,15 +56,7 @@ class ServerSettings:
     max_stored_responses: int = 1000            # /v1/responses kept for previous_response_id (LRU)
     batch_dir: Optional[str] = None             # /v1/files, /v1/batches state (None: ~/.cache/tokenmill/batches)
     limits: RequestLimits = field(default_factory=RequestLimits)   # per-request bounds and templates (limits.py)
-
-
-# A GGUF file's quantization suffix: SmolLM2-135M-Instruct.Q4_1, Llama-3.2-1B-Q4_K_M, x-f16, x.BF16, x-IQ3_XXS.
-_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d+(?:_[0-9A-Z]+)*|TQ\d_\d|B?F16|F32|MXFP4)$", re.IGNORECASE)
-
-
-def default_served_name(model_name: str) -> str:
-    """The name a model is served as without --served-model-name: its stem, less a quantization suffix."""
-    return _QUANT_SUFFIX.sub("", model_name) or model_name
+    metrics_registry: Any = None                # a prometheus registry several models share (model_router.py)
 
 
 class ServerState:
@@ -84,7 +76,7 @@ class ServerState:
         self.shutting_down = False
         self.workers = Workers(settings.limits, self.tokenizer)     # tokenizing and templating, off the loop
         self.max_prompt_bytes = prompt_byte_bound(settings.limits, self.info.max_model_len, self.tokenizer)
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, settings.metrics_registry)
         self.tracer: Any = None     # a tracing.RequestTracer under --otlp-traces-endpoint (app.py sets it)
         self.created = int(time.time())
         self._tok_str: dict[int, str] = {}
@@ -104,9 +96,8 @@ class ServerState:
             self.client.abort_all(E.ServerShuttingDown())
 
     def check_model(self, model: Optional[str]) -> str:
-        if model is None or model == "" or model in self.model_names:
-            return self.model_name
-        raise E.model_not_found(model)
+        """The name to answer with (a LoRA adapter's own: the request then runs on it), else 404."""
+        return check_served_model(self, model)
 
     @property
     def max_waiting_requests(self) -> int:
@@ -251,7 +242,7 @@ class RequestGroup:
             except ValueError as exc:
                 raise E.from_exception(exc, rename) from None
         try:
-            state.client.add([(s.request_id, {"prompt_token_ids": ids}, params, s)
+            state.client.add([(s.request_id, engine_prompt(ids), params, s)
                               for s, ids in zip(self.subs, prompts)], priority)
         except EngineDeadError:
             self.closed = True

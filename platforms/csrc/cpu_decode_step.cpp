@@ -51,7 +51,8 @@ struct FusedLinear {
   int64_t n, k;             // output rows (multiple of 16), inputs (multiple of 32)
   const uint8_t* weight;
   const uint16_t* scales;   // Q4, Q8: fp16 [n/16][k/32][16]
-  const uint16_t* lows;     // Q4: fp16 lows; Q8: float32 128 * scale * sum(w8) of the group
+  const uint16_t* lows;     // Q4: fp16 lows; Q8: float32 128 * scale * sum(w8) of the group;
+                            // null: Q4 low = -8 * scale, Q8 the sums computed on the fly (GGUF Q4_0/Q8_0)
   const float* bias;        // [n] or null
 };
 
@@ -145,7 +146,7 @@ inline void q4_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, 
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wb = w.weight + b * groups * 256;
   const uint16_t* sb = w.scales + b * groups * kRows;
-  const uint16_t* lb = w.lows + b * groups * kRows;
+  const uint16_t* lb = w.lows ? w.lows + b * groups * kRows : nullptr;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -156,7 +157,9 @@ inline void q4_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, 
       wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
     }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * kRows)));
-    const __m512 low = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lb + g * kRows)));
+    // lows null: GGUF Q4_0's w = d * (q - 8), so low = -8 * scale (no second array to read).
+    const __m512 low = w.lows ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lb + g * kRows)))
+                              : _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
     for (int t = 0; t < T; ++t) {
       const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * w.k + g * kGroup);
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -180,12 +183,19 @@ inline void q8_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, 
   const int64_t groups = w.k / kGroup;
   const uint8_t* wb = w.weight + b * groups * 512;
   const uint16_t* sb = w.scales + b * groups * kRows;
-  const float* cb = reinterpret_cast<const float*>(w.lows) + b * groups * kRows;
+  const float* cb = w.lows ? reinterpret_cast<const float*>(w.lows) + b * groups * kRows : nullptr;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * kRows)));
-    const __m512 corr = _mm512_loadu_ps(cb + g * kRows);   // float32: it cancels a large term
+    __m512 corr;                                            // float32: it cancels a large term
+    if (w.lows) {
+      corr = _mm512_loadu_ps(cb + g * kRows);
+    } else {  // not stored (GGUF Q8_0 kept at the file's size): 128 * scale * sum(w8), summed here
+      __m512i sum = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(wb + g * 512 + c * 64));
+      corr = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale), _mm512_set1_ps(128.0f));
+    }
     for (int t = 0; t < T; ++t) {
       const int32_t* a = reinterpret_cast<const int32_t*>(in.qu.data() + (t0 + t) * w.k + g * kGroup);
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();

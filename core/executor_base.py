@@ -1,0 +1,43 @@
+"""The executor interface (core/executor.py explains the three kinds) and the error a dead worker
+raises."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .model_runner import forward_result
+from .step_inputs import StepInputs
+
+if TYPE_CHECKING:
+    from .model_runner import ForwardResult, ModelRunner
+    from .scheduler import ScheduledBatch
+
+
+class EngineDeadError(RuntimeError):
+    """A worker of the engine died or failed: the engine cannot continue."""
+
+
+class Executor:
+    """execute(batch) -> ForwardResult; the KV pool every rank holds (the min over ranks)."""
+    num_blocks: int
+    bytes_per_block: int
+    kv_cache_dtype: torch.dtype
+    runner: Optional["ModelRunner"] = None      # in-process only
+    lora: Any = None                            # LoRA runs in process only (refused at tp/pp > 1)
+
+    def execute(self, batch: "ScheduledBatch") -> "ForwardResult":
+        inputs = StepInputs.from_batch(batch)
+        return forward_result(self.execute_inputs(inputs), batch)
+
+    def execute_inputs(self, inputs: StepInputs) -> Any:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a worker is gone."""
+
+    def shutdown(self) -> None:
+        pass
+
+    def worker_pids(self) -> list[int]:
+        return []

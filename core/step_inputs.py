@@ -1,0 +1,91 @@
+"""What one step's forward needs of each scheduled sequence, and what comes back, by position in
+the batch rather than by Sequence object.
+
+In one process the runner reads these straight off the scheduler's batch; with several workers
+(core/executor.py) this is the message each rank receives every step, so it carries only what a
+forward pass reads: the tokens fed this step (not the whole history), the first position, the
+block table and which rows are sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .scheduler import ScheduledBatch
+
+
+@dataclass
+class EntryInput:
+    start: int                  # first position computed this step
+    token_ids: list[int]        # the tokens fed (a verifying sequence: its last token, then its drafts)
+    block_table: list[int]
+    sample_rows: int = 0        # rows sampled: 0, 1 (the last token), or one per fed token (drafts)
+    prompt_logprob_rows: int = 0   # prompt positions whose logits are wanted, from `start`
+    pooling: bool = False       # a pooling sequence (in-process only: the pooler keeps state on it)
+    lora_slot: int = -1         # the LoRA adapter slot its rows run on (core/lora/), -1: the base model
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepInputs:
+    entries: list[EntryInput]
+    num_decodes: int            # the first num_decodes entries are single-token decodes
+
+    @classmethod
+    def from_batch(cls, batch: "ScheduledBatch") -> "StepInputs":
+        entries = []
+        for seq, n in batch.entries:
+            start = seq.num_computed_tokens
+            end = start + n
+            drafts = seq.spec_token_ids
+            if drafts:
+                ids = seq.token_ids[start:] + list(drafts)
+                sample = n
+            else:
+                ids = seq.token_ids[start:end]
+                sample = 1 if seq.pooling is None and end == seq.num_tokens else 0
+            prompt_rows = 0
+            # Choices of one request share the prompt: its logprobs come from the first one.
+            if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
+                prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
+            entries.append(EntryInput(start, ids, seq.block_table, sample, prompt_rows, seq.pooling is not None,
+                                      seq.lora_slot))
+        return cls(entries, batch.num_decodes)
+
+    def split(self, parts: int) -> list["StepInputs"]:
+        """Up to `parts` micro-batches of consecutive entries (decodes stay first in each)."""
+        n = len(self.entries)
+        parts = max(1, min(parts, n))
+        bounds = [n * i // parts for i in range(parts + 1)]
+        return [StepInputs(self.entries[a:b], max(0, min(self.num_decodes, b) - a))
+                for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass
+class StepOutput:
+    """A step's results by entry index (what the last pipeline stage's first rank sends back)."""
+    logits: Optional[torch.Tensor]           # [rows, vocab] float32
+    sampled: list[int]                       # entry index of each sampled sequence, in row order
+    num_rows: Optional[list[int]] = None     # rows per sampled entry when drafts were verified
+    prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (entry, start, logits)
+    pooled: list[tuple[Any, list[float]]] = field(default_factory=list)   # in-process only: (sequence, vector)
+
+    @staticmethod
+    def merge(outputs: list["StepOutput"], sizes: list[int]) -> "StepOutput":
+        """One output from the micro-batches' (entries of micro-batch i follow those before it)."""
+        offset, sampled, rows, prompt, logits = 0, [], [], [], []
+        for out, size in zip(outputs, sizes):
+            sampled += [offset + i for i in out.sampled]
+            rows += out.num_rows if out.num_rows is not None else [1] * len(out.sampled)
+            prompt += [(offset + i, start, t) for i, start, t in out.prompt_logits]
+            if out.logits is not None:
+                logits.append(out.logits)
+            offset += size
+        return StepOutput(logits=torch.cat(logits) if logits else None, sampled=sampled,
+                          num_rows=rows if any(r != 1 for r in rows) else None, prompt_logits=prompt)

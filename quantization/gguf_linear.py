@@ -1,0 +1,170 @@
+"""quantization="gguf": GGUF weights kept in their block form (vLLM's `--quantization gguf`).
+
+Each linear layer keeps the file's blocks, never a float copy of the whole weight:
+  * natively (the platform hands over "pack_affine4" / "pack_int8_groups" / "matmul" /
+    "dequantize_rows" through `Platform.quantization_kernels("gguf")`; the cpu platform's are
+    platforms/cpu_gguf_kernels.py): Q4_0, Q4_1, Q4_K as 4-bit affine groups of 32 and Q8_0, Q6_K
+    as 8-bit groups of 32, decoded straight from the stored nibbles and scales
+    (quantization/gguf_blocks.py) and repacked once into the kernel's layout;
+  * every other block format (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K), and every format where the platform
+    has no kernel or the shape does not fit its blocks, as the stored bytes, dequantized a tile
+    of output rows at a time inside `apply` (gguf.quants' numerics);
+  * float tensors (F32/F16/BF16) as stored.
+A fused layer (q/k/v, gate/up) whose parts share a format is one matrix; mixed formats keep one
+part per shard and concatenate the outputs. The token embedding and an LM head can be kept the
+same way (`keep_stored`, used by the GGUF loader): rows are gathered and dequantized per lookup.
+Memory (bytes per 32 weights, file -> resident): Q4_0 18 -> 18, Q4_1 20 -> 20, Q8_0 34 -> 34,
+Q4_K 18 -> 20 (fp16 scale and low per 32 instead of 6-bit ones per 32 and fp16 per 256),
+Q6_K 26.25 -> 34 (8 bits instead of 6.5625); the tiled formats exactly the file's.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gguf_blocks
+from .gguf import GGUFTensor, check_supported
+from .interface import QuantizationMethod
+
+TILE_ELEMENTS = 1 << 20      # a dequantized tile: at most this many floats (4 MiB) at a time
+
+
+class StoredPart:
+    """Some output rows of a weight in one stored form."""
+
+    def __init__(self, qtype: int, n: int, k: int, tensors: Sequence[torch.Tensor], packed: Any = None) -> None:
+        self.qtype, self.n, self.k, self.tensors, self.packed = qtype, n, k, tuple(tensors), packed
+
+    @property
+    def native(self) -> bool:
+        return self.packed is not None
+
+
+class GGUFLinearMethod(QuantizationMethod):
+    """GGUF blocks kept quantized; see the module docstring."""
+    name = "gguf"
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int], bias: bool,
+                       dtype: Optional[torch.dtype]) -> None:
+        # `weight` keeps the layer's shape for whoever reads it, over one element of storage.
+        layer.register_parameter("weight", self._placeholder(sum(output_sizes), input_size, dtype, layer))
+        layer.gguf_sizes = list(output_sizes)
+        if bias:
+            b = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
+            b.weight_loader = layer.weight_loader
+            layer.register_parameter("bias", b)
+        else:
+            layer.register_parameter("bias", None)
+
+    def _placeholder(self, n: int, k: int, dtype: Optional[torch.dtype], layer: nn.Module) -> nn.Parameter:
+        weight = nn.Parameter(torch.zeros(1, dtype=dtype).expand(n, k), requires_grad=False)
+        weight.loads_stored = True           # core/loaders/weights.py hands the GGUFTensor as stored
+        weight.weight_loader = partial(self._load_stored, layer)
+        layer.gguf_shards = {}
+        return weight
+
+    def keep_stored(self, layer: nn.Module, param_name: str = "weight") -> None:
+        """Make `layer.<param_name>` (an embedding's or LM head's dense weight) load as stored."""
+        old = getattr(layer, param_name)
+        setattr(layer, param_name, self._placeholder(old.shape[0], old.shape[1], old.dtype, layer))
+        layer.gguf_sizes = [old.shape[0]]
+
+    @staticmethod
+    def _load_stored(layer: nn.Module, param: nn.Parameter, stored: Any, shard_id: Optional[int] = None) -> None:
+        if not isinstance(stored, GGUFTensor):
+            raise ValueError("quantization 'gguf' keeps GGUF blocks as stored; this checkpoint is not a GGUF file")
+        sizes = layer.gguf_sizes
+        rows = sizes[shard_id] if shard_id is not None else sum(sizes)
+        if shard_id is not None and not 0 <= shard_id < len(sizes):
+            raise ValueError(f"shard {shard_id} of a layer with {len(sizes)} output shards")
+        if tuple(stored.shape) != (rows, param.shape[1]):
+            raise ValueError(f"shape mismatch: checkpoint {tuple(stored.shape)} vs model {(rows, param.shape[1])}")
+        check_supported(stored.qtype, stored.name)
+        layer.gguf_shards[shard_id] = stored
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        shards = getattr(layer, "gguf_shards", None)
+        if not shards:
+            return
+        order = sorted(shards, key=lambda s: -1 if s is None else s)
+        tensors = [shards[s] for s in order]
+        k = tensors[0].shape[1]
+        groups: list[list[GGUFTensor]] = []            # consecutive shards of one format form one part
+        for t in tensors:
+            if groups and groups[-1][0].qtype == t.qtype:
+                groups[-1].append(t)
+            else:
+                groups.append([t])
+        layer.gguf_parts = [self._build_part(g, k) for g in groups]
+        for i, part in enumerate(layer.gguf_parts):
+            for j, t in enumerate(part.tensors):     # buffers: counted with the model's memory
+                layer.register_buffer(f"gguf_{i}_{j}", t, persistent=False)
+        layer.gguf_shards = {}
+
+    def _build_part(self, tensors: list[GGUFTensor], k: int) -> StoredPart:
+        qtype = tensors[0].qtype
+        n = sum(t.shape[0] for t in tensors)
+        if qtype in gguf_blocks.FLOAT:
+            values = torch.cat([gguf_blocks.dequantize_rows(qtype, gguf_blocks.as_rows(t.data, t.shape[0]), k)
+                                for t in tensors])
+            return StoredPart(qtype, n, k, (values.to(gguf_blocks.FLOAT_DTYPES[qtype]),))
+        rows = torch.cat([gguf_blocks.as_rows(t.data, t.shape[0]) for t in tensors])
+        fits = self.kernels.get("fits")
+        if fits is not None and fits(n, k):
+            if qtype in gguf_blocks.AFFINE4 and "pack_affine4" in self.kernels:
+                packed = self.kernels["pack_affine4"](*gguf_blocks.affine4_groups(qtype, rows))
+                return StoredPart(qtype, n, k, packed.tensors, packed)
+            if qtype in gguf_blocks.INT8 and "pack_int8_groups" in self.kernels:
+                packed = self.kernels["pack_int8_groups"](*gguf_blocks.int8_groups(qtype, rows))
+                return StoredPart(qtype, n, k, packed.tensors, packed)
+        return StoredPart(qtype, n, k, (rows,))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        outs = [self._part_matmul(part, x2) for part in layer.gguf_parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+    def _part_matmul(self, part: StoredPart, x: torch.Tensor) -> torch.Tensor:
+        if part.native:
+            return self.kernels["matmul"](part.packed, x).to(x.dtype)
+        if part.qtype in gguf_blocks.FLOAT:
+            return F.linear(x, part.tensors[0].to(x.dtype))
+        rows = part.tensors[0]
+        tile = max(16, TILE_ELEMENTS // part.k)
+        y = torch.empty((x.shape[0], part.n), dtype=x.dtype)
+        for start in range(0, part.n, tile):     # one tile of dequantized rows resident at a time
+            w = gguf_blocks.dequantize_rows(part.qtype, rows[start:start + tile], part.k).to(x.dtype)
+            y[:, start:start + w.shape[0]] = F.linear(x, w)
+        return y
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of a kept embedding, dequantized -> [..., K] in `dtype`."""
+        flat = ids.reshape(-1)
+        out = torch.empty((flat.numel(), layer.gguf_parts[0].k), dtype=dtype)
+        start = 0
+        for part in layer.gguf_parts:
+            mask = (flat >= start) & (flat < start + part.n)
+            if mask.any():
+                local = flat[mask] - start
+                if part.native:
+                    values = self.kernels["dequantize_rows"](part.packed, local)
+                elif part.qtype in gguf_blocks.FLOAT:
+                    values = part.tensors[0].index_select(0, local)
+                else:
+                    unique, inverse = torch.unique(local, return_inverse=True)
+                    values = gguf_blocks.dequantize_rows(part.qtype, part.tensors[0].index_select(0, unique),
+                                                         part.k)[inverse]
+                out[mask] = values.to(dtype)
+            start += part.n
+        return out.reshape(*ids.shape, -1)
+
+    def lm_head_method(self) -> Optional[QuantizationMethod]:
+        return self      # the loader keeps the head (or the tied embedding) stored: see keep_stored
