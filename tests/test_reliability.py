@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from process_helpers import session_members
 from tokenmill.entrypoints.openai.testing import ServerProcess
 
 pytestmark = pytest.mark.reliability
@@ -59,23 +60,6 @@ def process_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
-
-
-def session_members(sid: int) -> list[int]:
-    """Live processes in session `sid` (ServerProcess starts the server as a session leader: its
-    engine process and anything else it spawned stay in that session)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-            members.append(int(entry))
-    return members
 
 
 async def read_stream(client: httpx.AsyncClient, body: dict, drop_after: int | None = None) -> dict:

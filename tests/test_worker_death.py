@@ -11,35 +11,8 @@ import time
 import httpx
 
 from model_helpers import save_tiny_checkpoint
+from process_helpers import children, session_members
 from tokenmill.entrypoints.openai.testing import ServerProcess
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                out.append(int(entry))
-    return out
-
-
-def session_members(sid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
-                members.append(int(entry))
-    return members
 
 
 def test_killed_worker_ends_stream_with_error_and_health_503(tmp_path):
