@@ -88,14 +88,18 @@ class CpuPlatform(Platform):
 
     def graph_capture(self, config) -> GraphCapture:
         """Default: "fused_decode" (decode steps as one native call, platforms/cpu_fused_decode.py)
-        for quantization="int4" and dtype bfloat16; float32 stays eager, token-identical to
-        transformers. enforce_eager or TOKENMILL_CPU_KERNELS=0: eager."""
+        for quantization="int4", "gguf" (its natively packed GGUF parts, multiplied in place: the
+        same kernels and int8 activations as its eager matmuls) and dtype bfloat16; float32 stays
+        eager, token-identical to transformers. enforce_eager or TOKENMILL_CPU_KERNELS=0: eager.
+        Where the step cannot take a model (tiled GGUF formats, no VNNI, ...) it says why in the
+        log and the model runs eagerly."""
         from .cpu_fused_decode import FusedDecodeCapture
         from .native_build import disabled
 
         choice = config.device.graph_capture
-        weight_format = ("q4" if config.model.quantization == "int4"
-                         else "bf16" if config.model.dtype == "bfloat16" and not config.model.quantization else None)
+        quantization = config.model.quantization
+        weight_format = ("q4" if quantization == "int4" else "native" if quantization == "gguf"
+                         else "bf16" if config.model.dtype == "bfloat16" and not quantization else None)
         if config.device.enforce_eager or choice == "none":
             return GraphCapture()
         if choice is None:
@@ -104,7 +108,7 @@ class CpuPlatform(Platform):
             return TorchCompileCapture()
         if choice == "fused_decode":
             if weight_format is None:
-                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4' or dtype 'bfloat16' "
+                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4' or 'gguf' or dtype 'bfloat16' "
                                  "on the cpu platform (float32 runs eagerly, matching transformers)")
             return FusedDecodeCapture(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
@@ -193,11 +197,19 @@ class CpuPlatform(Platform):
             if g.available() is not None:
                 return {}
             return {"fits": g.fits, "pack_affine4": g.pack_affine4, "pack_int8_groups": g.pack_int8_groups,
+                    "pack_q4k": g.pack_q4k, "pack_q6k": g.pack_q6k,
                     "matmul": g.matmul, "dequantize_rows": g.dequantize_rows}
         # int8 and compressed-tensors' W8A8 run the same per-token int8 GEMMs as int4's batches.
         if name not in ("int4", "int8", "compressed-tensors") or cpu_kernels.available() is not None:
             return {}
         return {"quantize_rows_int8": cpu_kernels.quantize_rows_int8, "dequantize_int32": cpu_kernels.dequantize_int32}
+
+    def lora_kernels(self) -> Callable[..., None] | None:
+        """The native batched LoRA op (platforms/cpu_lora.py: one shrink + expand pass per adapted
+        linear instead of ~5 torch ops) when the kernels build here; None: the torch op."""
+        from . import cpu_lora
+
+        return cpu_lora.add_lora if cpu_lora.available() is None else None
 
     def check_and_update_config(self, config) -> None:
         resolve_dtype(config.model.dtype, torch.float32)  # validates the name

@@ -5,16 +5,21 @@ steps (prefill, big decode batches) run the eager model.
 
 It asks the model for `decoder_stack()` (platforms/interface.py DecoderStackSpec), re-lays out
 the weights once into the kernel's blocks (4-bit groups from the quantization method's
-`affine_groups`, or bf16 pairs), and calls each layer's attention through the backend's
+`affine_groups`, or bf16 pairs) or, for weights the quantization method already keeps in this
+library's packed form (quantization="gguf": "native"), takes its `native_linear` parts as they
+are (no copy; an embedding kept quantized is looked up by the model's own `embed` in torch and
+handed in as rows), and calls each layer's attention through the backend's
 `native_decode_fn` (attention_backends/interface.py NATIVE_DECODE_ABI). When any of that is
 missing — a model without `decoder_stack`, a backend without a native decode, weights in
 another form, a CPU without AVX512-VNNI / AVX512-BF16, no compiler — `wrap` says why in the log
 and returns the eager forward.
 
-Numerics: 4-bit weights times activations quantized to int8 per 32 inputs (llama.cpp's Q4 x Q8
-scheme), or bf16 weights times bf16-rounded activations, float32 accumulation and float32
-everything else. Not bit-identical to the eager path, which is why it is not used for float32
-(the mode that matches transformers token for token).
+Numerics: 4-bit (or GGUF's) weights times activations quantized to int8 per 32 inputs
+(llama.cpp's Q4 x Q8 scheme), or bf16 weights times bf16-rounded activations, float32
+accumulation and float32 everything else. Not bit-identical to the eager path, which is why it
+is not used for float32 (the mode that matches transformers token for token). Under "gguf" the
+matmuls are the eager path's own kernels; only the norms', rope's and attention's float rounding
+differ (and int8 rounding of activations can amplify that over many layers).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from .native_build import NativeLibrary
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 MAX_FUSED_TOKENS = 32      # larger steps are compute-bound: oneDNN's GEMMs do better (bench gemm)
 Q4, BF16, Q8 = 0, 1, 2
@@ -61,7 +66,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fused_decode_caps.restype = i64
     lib.fused_decode_caps.argtypes = []
     lib.fused_decode_step.restype = None
-    lib.fused_decode_step.argtypes = [ctypes.POINTER(_Model), p, p, p, p, i64, p, i64, p, i64]
+    lib.fused_decode_step.argtypes = [ctypes.POINTER(_Model), p, p, p, p, i64, p, i64, p, i64, p]
     lib.vnni_peak_loop.restype = i64
     lib.vnni_peak_loop.argtypes = [i64]
     lib.fused_matmul.restype = None
@@ -163,13 +168,16 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).reshape(n // ROWS, ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+WEIGHT_FORMATS = ("q4", "bf16", "native")     # native: the quantization method's packed parts as they are
+
+
 class FusedDecodeCapture(GraphCapture):
     name = "fused_decode"
     attention_mode = "none"     # the backend runs eagerly or through its native entry, never traced
 
     def __init__(self, weight_format: str) -> None:
-        if weight_format not in ("q4", "bf16"):
-            raise ValueError(f"fused_decode weight format must be 'q4' or 'bf16', got {weight_format!r}")
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"fused_decode weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         self.weight_format = weight_format
 
     def wrap(self, forward: Callable[..., torch.Tensor], runner: Any) -> Callable[..., torch.Tensor]:
@@ -183,8 +191,9 @@ class FusedDecodeCapture(GraphCapture):
         except _Unsupported as e:
             logger.info("fused_decode: running the model eagerly: %s", e)
             return forward
-        logger.info("fused_decode: steps of up to %d tokens run as one native call (%s weights)",
-                    MAX_FUSED_TOKENS, self.weight_format)
+        logger.info("fused_decode: steps of up to %d tokens run as one native call (%s)", MAX_FUSED_TOKENS,
+                    "the quantization method's packed weights in place" if self.weight_format == "native"
+                    else f"{self.weight_format} weights")
 
         def fused_or_eager(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
             if input_ids.shape[0] <= MAX_FUSED_TOKENS:
@@ -205,7 +214,7 @@ class FusedDecodeCapture(GraphCapture):
         if lib is None:
             return why
         caps = lib.fused_decode_caps()
-        if self.weight_format == "q4" and not caps & 1:
+        if self.weight_format in ("q4", "native") and not caps & 1:
             return "this CPU has no AVX512-VNNI"
         if self.weight_format == "bf16" and not caps & 2:
             return "this CPU has no AVX512-BF16"
@@ -250,7 +259,15 @@ class _FusedStep:
         attn = spec.layers[0].attention
         embedding = spec.embedding.detach()
         self.out_dtype = embedding.dtype if embedding.dtype == torch.bfloat16 else torch.float32
-        if embedding.dtype not in (torch.float32, torch.bfloat16):
+        self._embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        if not _dense(embedding):
+            # A weight that only carries the shape (quantization="gguf" keeps the table in blocks):
+            # each step's rows come from the model's own lookup, never a float copy of the table.
+            if spec.embed is None:
+                raise _Unsupported("the embedding is no dense table and the model offers no embed()")
+            self._embed = spec.embed
+            embedding = torch.empty(0)                 # never read: the step gets the rows
+        elif embedding.dtype not in (torch.float32, torch.bfloat16):
             embedding = embedding.float()
         self._keep.append(embedding)
         self._model = _Model(
@@ -270,7 +287,17 @@ class _FusedStep:
     def _linear(self, linear: Any, weight_format: str, where: str) -> _Linear:
         n, k = linear.weight.shape
         out = _Linear(kind=Q4 if weight_format == "q4" else BF16, n=n, k=k)
-        if weight_format == "q4":
+        if weight_format == "native":
+            native = getattr(linear.quant_method, "native_linear", None)
+            packed = native(linear) if native is not None else None
+            if packed is None or not isinstance(getattr(packed, "linear", None), _Linear):
+                raise _Unsupported(f"{where}: its quantization method keeps no single native part "
+                                   f"(tiled, float or mixed formats)")
+            if (packed.linear.n, packed.linear.k) != (n, k):
+                raise _Unsupported(f"{where}: native part is {packed.linear.n} x {packed.linear.k}, not {n} x {k}")
+            out = _Linear.from_buffer_copy(packed.linear)          # the struct; the bytes stay the method's
+            tensors = tuple(packed.tensors)
+        elif weight_format == "q4":
             groups = linear.quant_method.affine_groups(linear)
             if groups is None or groups[3] != 32:
                 raise _Unsupported(f"{where}: its quantization method has no 4-bit groups of 32")
@@ -317,8 +344,17 @@ class _FusedStep:
             lens = (pos + 1).to(torch.int32)
         tables = tables.contiguous()
         lens = lens.contiguous()
+        embedded = None
+        if self._embed is not None:
+            embedded = self._embed(ids).float().contiguous()
         out = torch.empty((tokens, self._hidden), dtype=self.out_dtype)
         self._lib.fused_decode_step(ctypes.byref(self._model), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), tokens, out.data_ptr(),
-                                    int(self.out_dtype == torch.bfloat16))
+                                    int(self.out_dtype == torch.bfloat16),
+                                    embedded.data_ptr() if embedded is not None else None)
         return out
+
+
+def _dense(table: torch.Tensor) -> bool:
+    """Whether `table` holds its own values (not one element expanded to the shape)."""
+    return table.is_contiguous() and table.untyped_storage().nbytes() >= table.numel() * table.element_size()

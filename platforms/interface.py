@@ -130,6 +130,9 @@ class DecoderStackSpec:
     hidden_size: int
     intermediate_size: int
     layers: list[DecoderLayerSpec]
+    # The model's own lookup, ids [T] -> [T, hidden]: a step uses it where `embedding` is no dense
+    # table (an embedding kept quantized, quantization="gguf": its weight only carries the shape).
+    embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 class GraphCapture:
@@ -233,7 +236,7 @@ class Platform:
         return {}
 
     def lora_kernels(self) -> Optional[Callable[..., None]]:
-        """The batched LoRA op, `add_lora(y, x, lora_a, lora_b, mapping)` (core/lora/punica.py has
+        """The batched LoRA op, `add_lora(y, x, lora_a, lora_b, mapping, output_sizes)` (core/lora/punica.py has
         the contract and the torch implementation): y[row] += x[row] A[slot]^T B[slot]^T for each
         row the mapping adapts, lora_a = A^T [slots, in, R], lora_b = B^T [slots, R, out]. None: the
         torch one."""

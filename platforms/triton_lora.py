@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -83,9 +83,11 @@ def _kernels(interpret: bool):
     return shrink_kernel, expand_kernel
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: Any) -> None:
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: Any,
+             output_sizes: Optional[Sequence[int]] = None) -> None:
     """y[row] += x[row] A[slot]^T B[slot]^T for every adapted row of `mapping`, in place
-    (lora_a = A^T [slots, in, R], lora_b = B^T [slots, R, out], contiguous)."""
+    (lora_a = A^T [slots, in, R], lora_b = B^T [slots, R, out], contiguous; B multiplied whole,
+    `output_sizes` of its diagonal blocks unused)."""
     import triton
 
     shrink, expand = _kernels(_interpreting())

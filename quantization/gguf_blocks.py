@@ -8,9 +8,12 @@ dequantizers, which the tests compare against):
     bytes of nibbles (sub-block 2i in the low nibbles of chunk i, 2i + 1 in the high ones):
     w = d * sc * q - dmin * m                                        -> scale d*sc, low -dmin*m
   * Q8_0: 32 weights, fp16 d, 32 int8:          w = d * q
-  * Q6_K: 256 weights in 16 groups of 16 with int8 scales and 6-bit q: no exact 8-bit-per-32 form;
-    re-expressed as int8 groups of 32 (max error half a step of 1/127 of the group's largest
-    value, an eighth of a Q6_K step).
+  * Q6_K: 256 weights in 16 groups of 16 with int8 scales, fp16 d, 128 bytes of low nibbles and
+    64 of high bit pairs: w = d * sc * (q - 32), q in 0..63.
+A platform with K-quant kernels takes Q4_K and Q6_K as their own fields (`q4k_fields`,
+`q6k_fields`: the file's codes, nothing rounded); otherwise Q4_K is read as 4-bit affine groups
+(`affine4_groups`) and Q6_K re-expressed as int8 groups of 32 (`int8_groups`: no exact 8-bit-per-32
+form; max error half a step of 1/127 of the group's largest value, an eighth of a Q6_K step).
 """
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ def affine4_groups(qtype: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.
     if q_type == QType.Q4_K:
         b = rows.reshape(n, -1, 144)
         d, dmin = _fp16(b, 0), _fp16(b, 2)                            # [N, S]
-        sc, m = _scale_min_k4(b[..., 4:16])                          # [N, S, 8]
+        sc, m = (c.float() for c in _scale_min_k4(b[..., 4:16]))    # [N, S, 8]
         qs = b[..., 16:].reshape(n, -1, 4, 1, 32)                    # chunk i, 32 bytes
         q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, -1)   # sub-blocks 2i (low), 2i+1 (high)
         scale = (d.unsqueeze(-1) * sc).reshape(n, -1)
@@ -68,11 +71,43 @@ def affine4_groups(qtype: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (float32), ggml's get_scale_min_k4."""
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (uint8), ggml's get_scale_min_k4."""
     d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mins = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return sc.float(), mins.float()
+    return sc, mins
+
+
+def _fp16_raw(b: torch.Tensor, start: int) -> torch.Tensor:
+    return b[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def q4k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K uint8 [N, row bytes] -> (q uint8 [N, K] in 0..15, sc uint8 [N, K/32], m uint8 [N, K/32]
+    (6-bit codes), d float16 [N, K/256], dmin float16 [N, K/256]): w = d*sc*q - dmin*m."""
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, 144)
+    sc, m = _scale_min_k4(b[..., 4:16])                              # [N, S, 8]
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)                        # chunk i, 32 bytes
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=3).reshape(n, -1)       # sub-blocks 2i (low), 2i+1 (high)
+    return q, sc.reshape(n, -1), m.reshape(n, -1), _fp16_raw(b, 0), _fp16_raw(b, 2)
+
+
+def q6k_fields(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q6_K uint8 [N, row bytes] -> (q uint8 [N, K] in 0..63, sc int8 [N, K/16], d float16
+    [N, K/256]): w = d * sc * (q - 32). Within a super-block's half h (128 values), value r has
+    its low nibble in byte h*64 + r%64 (shifted by 4 * (r//64)) and its high pair in byte
+    h*32 + r%32 (shifted by 2 * (r//32)), as ggml's dequantize_row_q6_K."""
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, 210)
+    supers = b.shape[1]
+    low_shift = torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 1, 2, 1)
+    high_shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+    ql = (b[..., :128].reshape(n, supers, 2, 1, 64) >> low_shift) & 0x0F
+    qh = (b[..., 128:192].reshape(n, supers, 2, 1, 32) >> high_shift) & 0x03
+    q = ql.reshape(n, -1) | (qh.reshape(n, -1) << 4)
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
+    return q, sc, _fp16_raw(b, 208)
 
 
 def int8_groups(qtype: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

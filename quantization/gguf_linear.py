@@ -1,11 +1,13 @@
 """quantization="gguf": GGUF weights kept in their block form (vLLM's `--quantization gguf`).
 
 Each linear layer keeps the file's blocks, never a float copy of the whole weight:
-  * natively (the platform hands over "pack_affine4" / "pack_int8_groups" / "matmul" /
-    "dequantize_rows" through `Platform.quantization_kernels("gguf")`; the cpu platform's are
-    platforms/cpu_gguf_kernels.py): Q4_0, Q4_1, Q4_K as 4-bit affine groups of 32 and Q8_0, Q6_K
-    as 8-bit groups of 32, decoded straight from the stored nibbles and scales
-    (quantization/gguf_blocks.py) and repacked once into the kernel's layout;
+  * natively (the platform hands over "pack_affine4" / "pack_int8_groups" / "pack_q4k" /
+    "pack_q6k" / "matmul" / "dequantize_rows" through `Platform.quantization_kernels("gguf")`;
+    the cpu platform's are platforms/cpu_gguf_kernels.py): Q4_0, Q4_1 as 4-bit affine groups of
+    32, Q8_0 as 8-bit groups of 32, Q4_K and Q6_K in their own kinds (the file's codes and
+    super-block scales, the file's values exactly), decoded straight from the stored blocks
+    (quantization/gguf_blocks.py) and repacked once into the kernel's layout; a platform without
+    the K-quant kinds gets Q4_K as affine groups and Q6_K re-expressed as 8-bit groups;
   * every other block format (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K), and every format where the platform
     has no kernel or the shape does not fit its blocks, as the stored bytes, dequantized a tile
     of output rows at a time inside `apply` (gguf.quants' numerics);
@@ -14,8 +16,8 @@ A fused layer (q/k/v, gate/up) whose parts share a format is one matrix; mixed f
 part per shard and concatenate the outputs. The token embedding and an LM head can be kept the
 same way (`keep_stored`, used by the GGUF loader): rows are gathered and dequantized per lookup.
 Memory (bytes per 32 weights, file -> resident): Q4_0 18 -> 18, Q4_1 20 -> 20, Q8_0 34 -> 34,
-Q4_K 18 -> 20 (fp16 scale and low per 32 instead of 6-bit ones per 32 and fp16 per 256),
-Q6_K 26.25 -> 34 (8 bits instead of 6.5625); the tiled formats exactly the file's.
+Q4_K 18 -> 18.5 (1.03x: its 6-bit scale and min codes one byte each), Q6_K 26.25 -> 26.25;
+the tiled formats exactly the file's. (Without the K-quant kinds: Q4_K 20, Q6_K 34.)
 """
 from __future__ import annotations
 
@@ -115,6 +117,13 @@ class GGUFLinearMethod(QuantizationMethod):
         rows = torch.cat([gguf_blocks.as_rows(t.data, t.shape[0]) for t in tensors])
         fits = self.kernels.get("fits")
         if fits is not None and fits(n, k):
+            # K-quants at the file's size when the platform has their kernels (k is whole 256-blocks).
+            if qtype == gguf_blocks.QType.Q4_K and "pack_q4k" in self.kernels:
+                packed = self.kernels["pack_q4k"](*gguf_blocks.q4k_fields(rows))
+                return StoredPart(qtype, n, k, packed.tensors, packed)
+            if qtype == gguf_blocks.QType.Q6_K and "pack_q6k" in self.kernels:
+                packed = self.kernels["pack_q6k"](*gguf_blocks.q6k_fields(rows))
+                return StoredPart(qtype, n, k, packed.tensors, packed)
             if qtype in gguf_blocks.AFFINE4 and "pack_affine4" in self.kernels:
                 packed = self.kernels["pack_affine4"](*gguf_blocks.affine4_groups(qtype, rows))
                 return StoredPart(qtype, n, k, packed.tensors, packed)
@@ -165,6 +174,16 @@ class GGUFLinearMethod(QuantizationMethod):
                 out[mask] = values.to(dtype)
             start += part.n
         return out.reshape(*ids.shape, -1)
+
+    def native_linear(self, layer: nn.Module) -> Any:
+        """The platform's packed form of the whole weight (what its "pack_*" kernel returned; it
+        stays alive as the layer's buffers) when the layer is one natively packed part, for a
+        platform step that multiplies through the same kernels (the cpu platform's fused decode);
+        None for tiled, float or mixed-format layers, which only `apply` runs."""
+        parts = getattr(layer, "gguf_parts", None)
+        if not parts or len(parts) != 1 or not parts[0].native:
+            return None
+        return parts[0].packed
 
     def lm_head_method(self) -> Optional[QuantizationMethod]:
         return self      # the loader keeps the head (or the tied embedding) stored: see keep_stored

@@ -68,9 +68,29 @@ def quantize(x: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return random_k_blocks(qtype, x.shape[0], x.shape[1], rng)
 
 
-def write_gguf(path: str, dims: dict, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
-    """A llama GGUF with these (name -> (stored array, type)) tensors; no tokenizer metadata."""
+def copy_metadata(writer: GGUFWriter, source_path: str) -> None:
+    """Every key of another GGUF file (network, tokenizer, chat template) but the file-format ones
+    and the architecture the writer already holds: the output then loads anywhere the source does
+    (llama.cpp needs the tokenizer inside the file)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    for key, field in GGUFReader(source_path).fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub_type = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub_type)
+
+
+def write_gguf(path: str, dims: dict, tensors: dict[str, tuple[np.ndarray, Q]],
+               metadata_from: Optional[str] = None) -> None:
+    """A llama GGUF with these (name -> (stored array, type)) tensors; the network's dimensions
+    from `dims` and no tokenizer, or with `metadata_from` every key of that GGUF file instead."""
     writer = GGUFWriter(path, "llama")
+    if metadata_from is not None:
+        copy_metadata(writer, metadata_from)
+        _write_tensors(writer, tensors)
+        return
     writer.add_block_count(dims["layers"])
     writer.add_context_length(dims.get("context", 256))
     writer.add_embedding_length(dims["hidden"])
@@ -81,6 +101,10 @@ def write_gguf(path: str, dims: dict, tensors: dict[str, tuple[np.ndarray, Q]]) 
     writer.add_layer_norm_rms_eps(dims.get("eps", 1e-5))
     writer.add_vocab_size(dims["vocab"])
     writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    _write_tensors(writer, tensors)
+
+
+def _write_tensors(writer: GGUFWriter, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
     for name, (data, qtype) in tensors.items():
         if qtype in (Q.F32, Q.F16):
             writer.add_tensor(name, data)
@@ -118,9 +142,11 @@ def tiny_llama_tensors(dims: dict, qtype: Q, seed: int = 0) -> tuple[dict, dict]
     return stored, floats
 
 
-def requantize_file(source, path: str, choose: Callable[[str, tuple], Optional[Q]]) -> None:
-    """Copy a llama GGUF (its network metadata; tokenizer from the source file at load), every
-    tensor `choose(name, shape)` names re-quantized from its dequantized values, the rest as stored."""
+def requantize_file(source, path: str, choose: Callable[[str, tuple], Optional[Q]],
+                    with_tokenizer: bool = False) -> None:
+    """Copy a llama GGUF (its network metadata, and with `with_tokenizer` every other key too;
+    else the tokenizer comes from the source file at load), every tensor `choose(name, shape)`
+    names re-quantized from its dequantized values, the rest as stored."""
     from tokenmill.quantization.gguf import dequantize
 
     a = source.arch_value
@@ -141,4 +167,4 @@ def requantize_file(source, path: str, choose: Callable[[str, tuple], Optional[Q
             continue
         values = dequantize(raw, info.qtype, info.shape).numpy()
         tensors[name] = (quantize(values, qtype, rng), qtype)
-    write_gguf(path, dims, tensors)
+    write_gguf(path, dims, tensors, metadata_from=source.path if with_tokenizer else None)

@@ -14,7 +14,9 @@ import torch
 
 from .punica import LoRAMapping
 
-AddLoRA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping], None]
+# add_lora(y, x, lora_a, lora_b, mapping, output_sizes): output_sizes are the shard widths of B's
+# diagonal blocks, which an op may use to skip the zero blocks (core/lora/punica.py).
+AddLoRA = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoRAMapping, list[int]], None]
 
 
 class LoRAContext:
@@ -53,5 +55,5 @@ class LoRALayer:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mapping = self.context.mapping
         if mapping is not None:
-            self.add_lora(y, x, self.lora_a, self.lora_b, mapping)
+            self.add_lora(y, x, self.lora_a, self.lora_b, mapping, self.output_sizes)
         return y

@@ -8,7 +8,7 @@ call each. This is the torch implementation; a platform may offer its own with t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -67,11 +67,12 @@ def build_mapping(row_slots: list[tuple[int, int]], device: torch.device) -> Opt
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             mapping: LoRAMapping) -> None:
+             mapping: LoRAMapping, output_sizes: Optional[Sequence[int]] = None) -> None:
     """y[row] += x[row] A[slot]^T B[slot]^T for every adapted row, in place.
 
     lora_a = A^T [slots, in, R], lora_b = B^T [slots, R, out] (scale folded in; a fused layer's shards
-    stacked along R, B block-diagonal). Work is per group, never per row: one matmul pair for a single
+    stacked along R, B block-diagonal with diagonal blocks `output_sizes` wide: an op may skip the
+    zero blocks; this one multiplies B whole). Work is per group, never per row: one matmul pair for a single
     contiguous group, else one gather, two bmm over the groups' slots and one scatter-add."""
     if mapping.contiguous is not None:
         slot, lo, hi = mapping.contiguous

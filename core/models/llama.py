@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             embedding=model.embed_tokens.weight, final_norm=model.norm.weight, eps=float(model.norm.eps),
             cos_sin=model.rotary_emb.cos_sin_cache, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
             head_size=attn0.head_dim, hidden_size=self.config.hidden_size,
-            intermediate_size=self.config.intermediate_size, layers=layers)
+            intermediate_size=self.config.intermediate_size, layers=layers, embed=model.embed_tokens)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

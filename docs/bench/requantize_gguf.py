@@ -2,8 +2,8 @@
 format, for docs/bench/perplexity.py and `tokenmill bench throughput` per format:
 
     python docs/bench/requantize_gguf.py Q4_0 /tmp/smollm2-q4_0.gguf
-    python docs/bench/perplexity.py --model /tmp/smollm2-q4_0.gguf --tokenizer DEFAULT --quantization gguf
-    python docs/bench/perplexity.py --model /tmp/smollm2-q4_0.gguf --tokenizer DEFAULT --dtype float32   # its float reference
+    python docs/bench/perplexity.py --model /tmp/smollm2-q4_0.gguf --quantization gguf
+    python docs/bench/perplexity.py --model /tmp/smollm2-q4_0.gguf --dtype float32   # its float reference
 
 Formats: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (gguf-py's quantizers) for every matrix but the token
 embedding (kept as the file's Q8_0); Q4_K, which gguf-py cannot quantize, by the min/max packer
@@ -12,7 +12,8 @@ ffn_down only: its other rows are 576 wide), Q4_0 for the rest (as llama.cpp's Q
 per tensor); `mixed`: attention Q8_0, ffn_down Q4_K, gate/up Q4_0 (the file tests/test_gguf_native.py
 runs). F32: every tensor dequantized to float32 (a float baseline of the same network). The values
 re-quantized are the Q4_1 file's, so each format is priced against that network, not the original
-bf16 one. The output has no tokenizer metadata: pass `--tokenizer DEFAULT` (the default model's file).
+bf16 one. The output carries every other key of the source file (tokenizer, chat template), so
+llama.cpp loads the same file for the side-by-side runs of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def main() -> None:
     from tokenmill.core.loaders.model_source import resolve_model_source
 
     source = GGUFFile(resolve_model_source(None).path)
-    requantize_file(source, args.output, chooser(args.format))
-    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB); tokenizer: {source.path}")
+    requantize_file(source, args.output, chooser(args.format), with_tokenizer=True)
+    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@
 //    s8), so y += scale*sa*dot(u8, w8) - sa * (128 * scale * sum(w8)).
 //  * BF16 (dtype=bfloat16): [block][K/2][16][2] bf16 pairs, the activation rounded to bf16,
 //    AVX512-BF16 dot products accumulating in float32.
+//  * GGUF kept quantized (quantization="gguf"): the quantization method's own packed parts
+//    (platforms/cpu_gguf_kernels.py), used in place: Q4 (Q4_0, Q4_1), Q8 (Q8_0) and the
+//    Q4K / Q6K kinds below; the embedding rows come looked up by the caller.
 // Plain C++ with OpenMP and intrinsics, no torch headers (built by platforms/native_build.py).
 #include <immintrin.h>
 
@@ -47,10 +50,10 @@ typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* k
 extern "C" {
 
 struct FusedLinear {
-  int64_t kind;             // 0 = Q4, 1 = BF16, 2 = Q8
-  int64_t n, k;             // output rows (multiple of 16), inputs (multiple of 32)
+  int64_t kind;             // 0 = Q4, 1 = BF16, 2 = Q8, 3 = Q4K, 4 = Q6K (fused_matmul only)
+  int64_t n, k;             // output rows (multiple of 16), inputs (multiple of 32; 256: Q4K, Q6K)
   const uint8_t* weight;
-  const uint16_t* scales;   // Q4, Q8: fp16 [n/16][k/32][16]
+  const uint16_t* scales;   // Q4, Q8: fp16 [n/16][k/32][16]; Q4K, Q6K: records [n/16][k/256] (below)
   const uint16_t* lows;     // Q4: fp16 lows; Q8: float32 128 * scale * sum(w8) of the group;
                             // null: Q4 low = -8 * scale, Q8 the sums computed on the fly (GGUF Q4_0/Q8_0)
   const float* bias;        // [n] or null
@@ -248,12 +251,142 @@ template <int T>
 inline void bf16_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
 #endif
 
+// GGUF K-quants kept at the file's size (platforms/cpu_gguf_kernels.py packs them). Super-blocks
+// of 256 inputs = 8 groups of 32; per (row block, super-block) one metadata record in `scales`:
+//  * Q4K: nibbles exactly as Q4; record = d fp16[16], dmin fp16[16], sc u8[8][16], m u8[8][16]
+//    (320 bytes): w = d*sc*q - dmin*m, ggml's Q4_K arithmetic (d*sc exact in float32).
+//  * Q6K: per (row block, group) 384 bytes: 4 x 64 bytes of low nibbles as Q4, then 2 x 64 bytes
+//    of high bit pairs (vector h, byte bits 2c..2c+1 = chunk 4h + c); record = d fp16[16], then
+//    int8 scales [16 sub-groups of 16][16 rows] (288 bytes): w = d*sc16*(q - 32). The 6-bit
+//    values become s8 (q - 32) times the u8 activation (a8 + 128), as Q8, with the two 16-wide
+//    halves of a group summed apart (each has its own scale) and 128*sum(w) subtracted exactly.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kSuper = 256;
+constexpr int64_t kQ4KRecord = 320, kQ6KRecord = 288, kQ6KGroupBytes = 384;
+
+inline __m512 load_fp16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load_u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load_s8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int T>
+inline void q4k_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                      int64_t y_stride) {
+  const int64_t groups = w.k / kGroup, supers = w.k / kSuper;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const uint8_t* wb = w.weight + b * groups * 256;
+  const uint8_t* rb = reinterpret_cast<const uint8_t*>(w.scales) + b * supers * kQ4KRecord;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rec = rb + s * kQ4KRecord;
+    const __m512 d = load_fp16x16(rec), dmin = load_fp16x16(rec + 32);
+    for (int64_t gi = 0; gi < kSuper / kGroup; ++gi) {
+      const int64_t g = s * (kSuper / kGroup) + gi;
+      __m512i wv[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(wb + g * 256 + j * 64);
+        wv[2 * j] = _mm512_and_si512(v, nibble);
+        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      const __m512 scale = _mm512_mul_ps(d, load_u8x16(rec + 64 + gi * kRows));       // d * sc
+      const __m512 dm = _mm512_mul_ps(dmin, load_u8x16(rec + 192 + gi * kRows));      // dmin * m
+      for (int t = 0; t < T; ++t) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * w.k + g * kGroup);
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c += 2) {
+          even = _mm512_dpbusd_epi32(even, wv[c], _mm512_set1_epi32(a[c]));
+          odd = _mm512_dpbusd_epi32(odd, wv[c + 1], _mm512_set1_epi32(a[c + 1]));
+        }
+        const float sa = in.scale[(t0 + t) * groups + g];
+        const float off = in.offset[(t0 + t) * groups + g];
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
+        acc[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(off), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
+}
+
+template <int T>
+inline void q6k_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                      int64_t y_stride) {
+  const int64_t groups = w.k / kGroup, supers = w.k / kSuper;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const uint8_t* wb = w.weight + b * groups * kQ6KGroupBytes;
+  const uint8_t* rb = reinterpret_cast<const uint8_t*>(w.scales) + b * supers * kQ6KRecord;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < supers; ++s) {
+    const uint8_t* rec = rb + s * kQ6KRecord;
+    const __m512 d = load_fp16x16(rec);
+    for (int64_t gi = 0; gi < kSuper / kGroup; ++gi) {
+      const int64_t g = s * (kSuper / kGroup) + gi;
+      const uint8_t* gw = wb + g * kQ6KGroupBytes;
+      const __m512i h0 = _mm512_loadu_si512(gw + 256), h1 = _mm512_loadu_si512(gw + 320);
+      // High pair of chunk c sits at bits 2(c%4) of vector c/4; moved to bits 4..5 (16-bit shifts
+      // only carry bits across bytes into positions the 0x30 mask drops).
+      const __m512i high[8] = {
+          _mm512_and_si512(_mm512_slli_epi16(h0, 4), pair), _mm512_and_si512(_mm512_slli_epi16(h0, 2), pair),
+          _mm512_and_si512(h0, pair), _mm512_and_si512(_mm512_srli_epi16(h0, 2), pair),
+          _mm512_and_si512(_mm512_slli_epi16(h1, 4), pair), _mm512_and_si512(_mm512_slli_epi16(h1, 2), pair),
+          _mm512_and_si512(h1, pair), _mm512_and_si512(_mm512_srli_epi16(h1, 2), pair)};
+      __m512i wv[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(gw + j * 64);
+        wv[2 * j] = _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(v, nibble), high[2 * j]), bias);
+        wv[2 * j + 1] = _mm512_sub_epi8(
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble), high[2 * j + 1]), bias);
+      }
+      // The u8 operand is a8 + 128: 128 * sum(w) of each half comes off its integer dot.
+      __m512i sum_lo = _mm512_setzero_si512(), sum_hi = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        sum_lo = _mm512_dpbusd_epi32(sum_lo, ones, wv[c]);
+        sum_hi = _mm512_dpbusd_epi32(sum_hi, ones, wv[c + 4]);
+      }
+      sum_lo = _mm512_slli_epi32(sum_lo, 7);
+      sum_hi = _mm512_slli_epi32(sum_hi, 7);
+      const __m512 scale_lo = _mm512_mul_ps(d, load_s8x16(rec + 32 + (2 * gi) * kRows));
+      const __m512 scale_hi = _mm512_mul_ps(d, load_s8x16(rec + 32 + (2 * gi + 1) * kRows));
+      for (int t = 0; t < T; ++t) {
+        const int32_t* a = reinterpret_cast<const int32_t*>(in.qu.data() + (t0 + t) * w.k + g * kGroup);
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          lo = _mm512_dpbusd_epi32(lo, _mm512_set1_epi32(a[c]), wv[c]);
+          hi = _mm512_dpbusd_epi32(hi, _mm512_set1_epi32(a[c + 4]), wv[c + 4]);
+        }
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, sum_hi)), scale_hi,
+                                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, sum_lo)), scale_lo));
+        acc[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(in.scale[(t0 + t) * groups + g]), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
+}
+#else
+template <int T>
+inline void q4k_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
+template <int T>
+inline void q6k_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
+#endif
+
 template <int T>
 inline void any_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y) {
   if (w.kind == 0)
     q4_block<T>(w, b, in, t0, y, w.n);
   else if (w.kind == 2)
     q8_block<T>(w, b, in, t0, y, w.n);
+  else if (w.kind == 3)
+    q4k_block<T>(w, b, in, t0, y, w.n);
+  else if (w.kind == 4)
+    q6k_block<T>(w, b, in, t0, y, w.n);
   else
     bf16_block<T>(w, b, in, t0, y, w.n);
 }
@@ -314,7 +447,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 1; }
+int tokenmill_kernels_abi_version() { return 2; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI); bit 1: BF16 matmuls (AVX512-BF16).
 int64_t fused_decode_caps() { return (kHasQ4 ? 1 : 0) | (kHasBf16 ? 2 : 0); }
@@ -358,7 +491,7 @@ int64_t vnni_peak_loop(int64_t iterations) {
 }
 
 // y [tokens, n] float32 = x [tokens, k] float32 times one of the layouts above (the LM head's
-// kernel under quantization="int4"; any number of tokens).
+// kernel under quantization="int4", GGUF weights kept quantized; any number of tokens).
 void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y) {
   thread_local QuantizedInput in;
   matmul(*w, x, tokens, y, in);
@@ -366,10 +499,12 @@ void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y
 
 // One decode step for `tokens` sequences, one new token each: ids/positions/slots [tokens],
 // tables [tokens, table_stride] and lens [tokens] as in attention metadata. out [tokens, hidden]
-// after the final norm, float32 (out_bf16 = 0) or bfloat16.
+// after the final norm, float32 (out_bf16 = 0) or bfloat16. `embedded` [tokens, hidden] float32:
+// the input rows already looked up by the caller (an embedding kept quantized in a form only the
+// model's own lookup reads); null: rows `ids` of m->embedding.
 void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* positions, const int64_t* slots,
                        const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t tokens, void* out,
-                       int64_t out_bf16) {
+                       int64_t out_bf16, const float* embedded) {
   thread_local Scratch s;   // reused, so a step allocates nothing once warm
   const int64_t hidden = m->hidden, hd = m->head_size;
   const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd;
@@ -388,7 +523,9 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
 
   for (int64_t t = 0; t < tokens; ++t) {
     float* dst = s.residual.data() + t * hidden;
-    if (m->embedding_bf16) {
+    if (embedded) {
+      std::memcpy(dst, embedded + t * hidden, hidden * sizeof(float));
+    } else if (m->embedding_bf16) {
       const uint16_t* row = static_cast<const uint16_t*>(m->embedding) + ids[t] * hidden;
       for (int64_t c = 0; c < hidden; ++c) dst[c] = bf16_to_f32(row[c]);
     } else {
