@@ -1,8 +1,10 @@
 """The CPU platform: always available; KV pool sized from a RAM budget."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -45,6 +47,33 @@ def cpu_has_fast_bf16() -> bool:
 
 def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
+
+
+@functools.lru_cache(maxsize=None)
+def bf16_gemm_is_faster(threads: int) -> bool:
+    """Whether oneDNN's bf16 GEMM beats its fp32 one here, measured once per process (~20 ms).
+
+    The flags do not tell: AMX always wins, and AVX512_BF16 alone measured both ways — 154 vs 274
+    GFLOP/s fp32 on an Intel host without AMX, 631 vs 165 GFLOP/s on an AMD EPYC (2 threads,
+    2048x576 @ 576x1536). bf16 then runs activations, the KV cache and large GEMMs too."""
+    if cpu_has_amx():
+        return True
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.ones(512, 576, dtype=dtype), torch.ones(1536, 576, dtype=dtype)
+            torch.nn.functional.linear(x, w)                     # oneDNN's first call builds its kernel
+            start = time.perf_counter()
+            for _ in range(4):
+                torch.nn.functional.linear(x, w)
+            seconds[dtype] = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
+    return seconds[torch.bfloat16] < 0.8 * seconds[torch.float32]
 
 
 class CpuMemoryProfiler(MemoryProfiler):
@@ -131,9 +160,12 @@ class CpuPlatform(Platform):
         return raw.view(dtype).view(shape)
 
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        # Without AMX, bf16 pays only where memory bandwidth binds (reading weights); activations,
-        # the KV cache and large GEMMs stay in fp32, which oneDNN runs faster here.
-        return torch.float32 if dtype == torch.bfloat16 and not cpu_has_amx() else dtype
+        # Where bf16 GEMMs are slower than fp32 (measured, bf16_gemm_is_faster), bf16 pays only
+        # where memory bandwidth binds (reading weights); activations, the KV cache and large
+        # GEMMs then stay in fp32.
+        if dtype == torch.bfloat16 and not bf16_gemm_is_faster(torch.get_num_threads()):
+            return torch.float32
+        return dtype
 
     def layer_kernels(self, config) -> dict[str, Any]:
         """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
@@ -222,12 +254,13 @@ class CpuPlatform(Platform):
             config.model.dtype = "float32"
         if config.model.quantization == "gguf" and config.model.dtype == "auto":
             config.model.dtype = "float32"      # the GGUF kernels take float32 activations
+        threads = config.device.num_threads or os.cpu_count() or 1
         if config.model.dtype == "auto":
-            # Measured on this AVX512_BF16 host without AMX (SmolLM2-135M, 2 threads): fp32 is the
-            # fastest everywhere — large GEMMs 274 vs 154 GFLOP/s, and a single-stream decode step
-            # 32.5 ms fp32 vs 33.4 ms with bf16 weights. With AMX, bf16 wins.
-            config.model.dtype = "bfloat16" if cpu_has_amx() else "float32"
+            # bf16 where its GEMMs beat fp32's (AMX; AVX512_BF16 where measured faster): on an AMD
+            # EPYC without AMX, SmolLM2-135M, 2 threads, bf16 against fp32 gave W1 419.5 vs 196.8
+            # output tok/s, W2 104.4 vs 17.0 (the fused bf16 step), W4 756.5 vs 456.1 total tok/s;
+            # perplexity 7.043 vs 7.012 (docs/benchmarks.md). dtype=float32 stays the exact mode.
+            config.model.dtype = "bfloat16" if bf16_gemm_is_faster(threads) else "float32"
         if config.model.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")
-        threads = config.device.num_threads or os.cpu_count() or 1
         torch.set_num_threads(threads)

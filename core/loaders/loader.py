@@ -6,6 +6,7 @@ resolved and given the platform's kernels before the layers create their weights
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -31,6 +32,8 @@ from .gguf_file import GGUFFile
 from .kv_scales import KVScales
 from .model_source import ModelSource, resolve_model_source
 from .weights import load_weights, process_weights_after_loading
+
+logger = logging.getLogger("tokenmill.loader")
 
 
 class PlatformLike(Protocol):
@@ -188,6 +191,12 @@ def load_model(config: EngineConfig, platform: PlatformLike,
         if kept:
             gguf_kept.check_formats(meta.gguf, platform)
             gguf_kept.keep_embeddings_stored(net, method)
+        elif config.model.quantization is None:
+            # Dequantizing is the exact mode (token-identical to transformers on this GGUF); say
+            # what the file's own blocks would cost, since that is what llama.cpp users expect.
+            logger.info("GGUF %s dequantized to %s at load; --quantization gguf keeps its blocks (%.1f MiB) "
+                        "on native kernels", os.path.basename(meta.source.path), str(weight_dtype).replace("torch.", ""),
+                        os.path.getsize(meta.source.path) / 2**20)
         load_weights(net, gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config), GGUFQuantization())
     else:
         kv_scales = KVScales()                # fp8 KV-cache scales are not weights: set on the attention layers

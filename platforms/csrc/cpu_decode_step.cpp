@@ -141,41 +141,50 @@ void round_bf16(const float* x, int64_t count, QuantizedInput& in) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kHasQ4 = true;
 
+// One group of 32 inputs of a 4-bit block (16 rows) into the T tokens' accumulators:
+// acc += scale * sa * dot(q, a) + low * offset (the activation's per-group scale and offset).
+// Nibbles as stored: 4 x 64 bytes, low halves inputs 0-15 of a row pair, high halves 16-31.
+template <int T>
+inline void q4_group(const uint8_t* gw, __m512 scale, __m512 low, const QuantizedInput& in, int64_t t0,
+                     int64_t k, int64_t groups, int64_t g, __m512* acc) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512i wv[8];
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(gw + j * 64);
+    wv[2 * j] = _mm512_and_si512(v, nibble);
+    wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  }
+  for (int t = 0; t < T; ++t) {
+    const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * k + g * kGroup);
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+      even = _mm512_dpbusd_epi32(even, wv[c], _mm512_set1_epi32(a[c]));
+      odd = _mm512_dpbusd_epi32(odd, wv[c + 1], _mm512_set1_epi32(a[c + 1]));
+    }
+    const float sa = in.scale[(t0 + t) * groups + g];
+    const float off = in.offset[(t0 + t) * groups + g];
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+    acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
+    acc[t] = _mm512_fmadd_ps(low, _mm512_set1_ps(off), acc[t]);
+  }
+}
+
 // y[t, rows of block b] for up to kTok tokens.
 template <int T>
 inline void q4_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
                      int64_t y_stride) {
   const int64_t groups = w.k / kGroup;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wb = w.weight + b * groups * 256;
   const uint16_t* sb = w.scales + b * groups * kRows;
   const uint16_t* lb = w.lows ? w.lows + b * groups * kRows : nullptr;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i wv[8];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(wb + g * 256 + j * 64);
-      wv[2 * j] = _mm512_and_si512(v, nibble);
-      wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    }
     const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + g * kRows)));
     // lows null: GGUF Q4_0's w = d * (q - 8), so low = -8 * scale (no second array to read).
     const __m512 low = w.lows ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lb + g * kRows)))
                               : _mm512_mul_ps(scale, _mm512_set1_ps(-8.0f));
-    for (int t = 0; t < T; ++t) {
-      const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * w.k + g * kGroup);
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        even = _mm512_dpbusd_epi32(even, wv[c], _mm512_set1_epi32(a[c]));
-        odd = _mm512_dpbusd_epi32(odd, wv[c + 1], _mm512_set1_epi32(a[c + 1]));
-      }
-      const float sa = in.scale[(t0 + t) * groups + g];
-      const float off = in.offset[(t0 + t) * groups + g];
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
-      acc[t] = _mm512_fmadd_ps(low, _mm512_set1_ps(off), acc[t]);
-    }
+    q4_group<T>(wb + g * 256, scale, low, in, t0, w.k, groups, g, acc);
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
 }
@@ -278,7 +287,6 @@ template <int T>
 inline void q4k_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
                       int64_t y_stride) {
   const int64_t groups = w.k / kGroup, supers = w.k / kSuper;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wb = w.weight + b * groups * 256;
   const uint8_t* rb = reinterpret_cast<const uint8_t*>(w.scales) + b * supers * kQ4KRecord;
   __m512 acc[T];
@@ -288,27 +296,10 @@ inline void q4k_block(const FusedLinear& w, int64_t b, const QuantizedInput& in,
     const __m512 d = load_fp16x16(rec), dmin = load_fp16x16(rec + 32);
     for (int64_t gi = 0; gi < kSuper / kGroup; ++gi) {
       const int64_t g = s * (kSuper / kGroup) + gi;
-      __m512i wv[8];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(wb + g * 256 + j * 64);
-        wv[2 * j] = _mm512_and_si512(v, nibble);
-        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
       const __m512 scale = _mm512_mul_ps(d, load_u8x16(rec + 64 + gi * kRows));       // d * sc
-      const __m512 dm = _mm512_mul_ps(dmin, load_u8x16(rec + 192 + gi * kRows));      // dmin * m
-      for (int t = 0; t < T; ++t) {
-        const int32_t* a = reinterpret_cast<const int32_t*>(in.q.data() + (t0 + t) * w.k + g * kGroup);
-        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          even = _mm512_dpbusd_epi32(even, wv[c], _mm512_set1_epi32(a[c]));
-          odd = _mm512_dpbusd_epi32(odd, wv[c + 1], _mm512_set1_epi32(a[c + 1]));
-        }
-        const float sa = in.scale[(t0 + t) * groups + g];
-        const float off = in.offset[(t0 + t) * groups + g];
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
-        acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(sa)), acc[t]);
-        acc[t] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(off), acc[t]);
-      }
+      // Q4_K: w = d * sc * q - dmin * m, so low = -(dmin * m) (negation is exact).
+      const __m512 low = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, load_u8x16(rec + 192 + gi * kRows)));
+      q4_group<T>(wb + g * 256, scale, low, in, t0, w.k, groups, g, acc);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
