@@ -256,11 +256,12 @@ class CpuPlatform(Platform):
             config.model.dtype = "float32"      # the GGUF kernels take float32 activations
         threads = config.device.num_threads or os.cpu_count() or 1
         if config.model.dtype == "auto":
-            # bf16 where its GEMMs beat fp32's (AMX; AVX512_BF16 where measured faster): on an AMD
-            # EPYC without AMX, SmolLM2-135M, 2 threads, bf16 against fp32 gave W1 419.5 vs 196.8
-            # output tok/s, W2 104.4 vs 17.0 (the fused bf16 step), W4 756.5 vs 456.1 total tok/s;
-            # perplexity 7.043 vs 7.012 (docs/benchmarks.md). dtype=float32 stays the exact mode.
-            config.model.dtype = "bfloat16" if bf16_gemm_is_faster(threads) else "float32"
+            # bf16 only with AMX. Where AVX512_BF16 alone wins (bf16_gemm_is_faster: an AMD EPYC gave
+            # W1 419.5 vs 196.8 output tok/s, W2 104.4 vs 17.0, W4 756.5 vs 456.1 total tok/s with
+            # --dtype bfloat16) it is still not the default: a greedy request repeated on a cached
+            # prefix re-runs its last prompt token through the fused bf16 step, whose rounding differs
+            # from the bf16 prefill's, and can answer differently; float32 answers the same every time.
+            config.model.dtype = "bfloat16" if cpu_has_amx() else "float32"
         if config.model.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")
         torch.set_num_threads(threads)
