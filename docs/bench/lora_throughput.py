@@ -7,7 +7,7 @@ non-zero B) for the default model's architecture with peft, then times, alternat
   mixed: the same 64 requests, request i on adapter i % num_adapters (16 each for 4).
 Greedy, EOS ignored, prefix cache reset before each run; prints medians and the ratio.
 
-    python docs/bench/lora_throughput.py [--model PATH.gguf] [--repeat 3] [--quantization int4]
+    python docs/bench/lora_throughput.py [--model PATH.gguf] [--repeat 3] [--quantization int4] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
 
@@ -85,7 +86,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_adapters(_hf_config_dir(model, tmp), tmp, args.num_adapters, args.rank)
         llm = LLM(model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank,
-                  quantization=args.quantization)
+                  quantization=args.quantization, dtype=args.dtype)
         adapters = [LoRARequest(f"adapter{i}", i + 1, p) for i, p in enumerate(paths)]
         prompts = [{"prompt_token_ids": p} for p in workload.prompts]
         params = SamplingParams(temperature=0.0, max_tokens=workload.output_len, ignore_eos=True)
@@ -106,7 +107,7 @@ def main() -> int:
               for kind, times in runs.items()}
     result["mixed_over_base"] = result["mixed"]["output_tok_s"] / result["base"]["output_tok_s"]
     result["setup"] = {"model": model, "adapters": args.num_adapters, "rank": args.rank,
-                       "quantization": args.quantization, "threads": os.cpu_count()}
+                       "quantization": args.quantization, "dtype": args.dtype, "threads": os.cpu_count()}
     print(f"W1 base   {result['base']['output_tok_s']:.1f} output tok/s (median of {args.repeat})")
     print(f"W1 mixed  {result['mixed']['output_tok_s']:.1f} output tok/s "
           f"({args.num_adapters} adapters of rank {args.rank}, {len(prompts) // args.num_adapters} requests each)")
