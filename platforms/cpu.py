@@ -51,7 +51,8 @@ def cpu_has_amx() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def bf16_gemm_is_faster(threads: int) -> bool:
-    """Whether oneDNN's bf16 GEMM beats its fp32 one here, measured once per process (~20 ms).
+    """Whether oneDNN's bf16 GEMM beats its fp32 one here, measured once per process (20-70 ms;
+    asked only when bf16 is requested: a float32 or quantized run never pays it).
 
     The flags do not tell: AMX always wins, and AVX512_BF16 alone measured both ways — 154 vs 274
     GFLOP/s fp32 on an Intel host without AMX, 631 vs 165 GFLOP/s on an AMD EPYC (2 threads,
