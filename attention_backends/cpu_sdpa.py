@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_paged_decode
+from . import cpu_flash_prefill, cpu_paged_decode
 from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, write_kv
 
 _CACHE_ATTR = "_cpu_sdpa_step_cache"
@@ -59,6 +59,7 @@ def _step_cache(metadata: AttentionMetadata, block_size: int, sliding_window: Op
                 allowed &= pos > seq - 1 - sliding_window
             cache["decode_mask"] = allowed.view(nd, 1, 1, max_len)
     cache["cascade"] = _shared_prefix_plan(metadata, block_size, sliding_window, device) if nd else None
+    cache["prefill_runs"] = _shared_prefill_runs(metadata, block_size, sliding_window)
     try:
         setattr(metadata, _CACHE_ATTR, cache)
     except (AttributeError, TypeError):   # a frozen or slotted metadata: just recompute
@@ -126,6 +127,32 @@ def _shared_prefix_plan(metadata: AttentionMetadata, block_size: int, sliding_wi
     return plan
 
 
+def _shared_prefill_runs(metadata: AttentionMetadata, block_size: int,
+                         sliding_window: Optional[int]) -> dict[int, tuple[int, int]]:
+    """{first chunk: (chunks, prefix length)} for runs of prompt chunks of one length whose cached
+    context is the same leading blocks and nothing else (a shared system prompt under prefix
+    caching): the prefix is attended once for all their queries instead of once per chunk."""
+    runs: dict[int, tuple[int, int]] = {}
+    if sliding_window is not None or not metadata.causal:
+        return runs
+    qsl, lens, n = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_seqs
+    i = metadata.num_decodes
+    while i < n:
+        length = qsl[i + 1] - qsl[i]
+        prefix = lens[i] - length
+        j = i + 1
+        if prefix >= CASCADE_MIN_TOKENS and prefix % block_size == 0:
+            while j < n and qsl[j + 1] - qsl[j] == length and lens[j] - length == prefix:
+                j += 1
+            tables = metadata.block_tables[i:j, :prefix // block_size]
+            if j - i >= 2 and bool((tables == tables[:1]).all()):
+                runs[i] = (j - i, prefix)
+            else:
+                j = i + 1
+        i = j
+    return runs
+
+
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA over [B, H, L, D] that also returns the log-sum-exp of each query's scores."""
@@ -161,6 +188,13 @@ class CpuSdpaAttention(AttentionBackend):
         i = nd
         while i < metadata.num_seqs:
             start, end = qsl[i], qsl[i + 1]
+            shared = step["prefill_runs"].get(i) if not self.logits_soft_cap else None
+            if shared is not None:
+                stop = qsl[i + shared[0]]
+                out[start:stop] = self._prefill_shared_prefix(query[start:stop], key[start:stop], value[start:stop],
+                                                              kv_cache, metadata, i, *shared)
+                i += shared[0]
+                continue
             run = self._fresh_run(metadata, i)
             if run > 1:     # whole prompts of one length (an embedding batch): one SDPA call for all
                 stop = qsl[i + run]
@@ -198,6 +232,41 @@ class CpuSdpaAttention(AttentionBackend):
             v.reshape(batch, length, self.num_kv_heads, self.head_size).transpose(1, 2),
             is_causal=causal, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return o.transpose(1, 2).reshape(q.shape)
+
+    def _prefill_shared_prefix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                               metadata: AttentionMetadata, i: int, count: int, prefix_len: int) -> torch.Tensor:
+        """`count` prompt chunks of one length after the same cached prefix (cascade attention):
+        the prefix once for every query (one GEMM-shaped call, the group folded into the query
+        axis), each chunk's own tokens causally in one batched call, merged by log-sum-exp."""
+        hkv, d, heads = self.num_kv_heads, self.head_size, self.num_heads
+        group, tokens = heads // hkv, q.shape[0]
+        length = tokens // count
+        index = metadata.block_tables[i, :prefix_len // metadata.block_size].to(torch.long)
+        prefix = _gather_blocks(kv_cache, index).view(2, prefix_len, hkv, d)
+        if prefix.dtype != q.dtype:
+            prefix = self._read(prefix, q.dtype)
+        if cpu_flash_prefill.covers(q, prefix[0], prefix[1]):
+            out_p, lse_p = cpu_flash_prefill.flash_prefill(q, prefix[0], prefix[1], self.scale, 0, False, True)
+            lse_p = lse_p.t()
+        else:
+            qp = q.view(tokens, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * tokens, d)
+            out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
+                                            prefix[1].transpose(0, 1).unsqueeze(0), None, self.scale)
+            out_p = out_p.reshape(hkv, group, tokens, d).permute(2, 0, 1, 3).reshape(tokens, heads, d)
+            lse_p = lse_p.reshape(hkv, group, tokens).permute(2, 0, 1).reshape(tokens, heads)
+        if kv_cache.dtype != q.dtype:                              # read what the cache holds
+            k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
+            v = kv_round_trip(v, kv_cache.dtype, self.v_scale)
+        own_k = k.reshape(count, length, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        own_v = v.reshape(count, length, hkv, d).transpose(1, 2).repeat_interleave(group, dim=1)
+        out_s, lse_s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.view(count, length, heads, d).transpose(1, 2), own_k, own_v, 0.0, True, scale=self.scale)[:2]
+        out_s = out_s.transpose(1, 2).reshape(tokens, heads, d)
+        lse_s = lse_s.transpose(1, 2).reshape(tokens, heads)
+        top = torch.maximum(lse_p, lse_s)
+        w_p = torch.exp(lse_p - top).unsqueeze(-1)
+        w_s = torch.exp(lse_s - top).unsqueeze(-1)
+        return ((out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)).to(q.dtype)
 
     # -- decode: one batched call ------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -289,6 +358,8 @@ class CpuSdpaAttention(AttentionBackend):
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
                 v = kv_round_trip(v, kv_cache.dtype, self.v_scale)
+            if cpu_flash_prefill.covers(q, k, v):
+                return cpu_flash_prefill.flash_prefill(q, k, v, self.scale, 0, metadata.causal)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                is_causal=metadata.causal, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
@@ -299,6 +370,8 @@ class CpuSdpaAttention(AttentionBackend):
         kv = _gather_blocks(kv_cache, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
         if kv.dtype != q.dtype:
             kv = self._read(kv, q.dtype)
+        if simple and cpu_flash_prefill.covers(q, kv[0], kv[1]):
+            return cpu_flash_prefill.flash_prefill(q, kv[0], kv[1], self.scale, ctx, metadata.causal)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos                                   # causal, offset by the cached context

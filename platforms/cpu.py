@@ -158,6 +158,7 @@ class CpuPlatform(Platform):
             count *= size
         element = torch.empty((), dtype=dtype).element_size()
         raw = torch.from_numpy(np.zeros(count * element, dtype=np.uint8))
+        _advise_huge_pages(raw.data_ptr(), raw.numel())
         return raw.view(dtype).view(shape)
 
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -266,3 +267,23 @@ class CpuPlatform(Platform):
         if config.model.dtype == "float16":
             raise ValueError("dtype float16 is not supported on the cpu platform; use bfloat16 or float32")
         torch.set_num_threads(threads)
+
+
+def _advise_huge_pages(address: int, length: int) -> None:
+    """Ask for transparent huge pages on a large zero-page mapping (the KV pool): a prefill then
+    first-touches its blocks 2 MiB at a time instead of 4 KiB (measured: writing a 2048-token
+    prompt's K/V took ~100 ms of page faults on a 2-core VM). A no-op where THP is off or the
+    call fails; memory still comes only as blocks are used (in 2 MiB steps)."""
+    huge = 2 << 20
+    start = (address + huge - 1) // huge * huge
+    end = (address + length) // huge * huge
+    if end - start < huge:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, 14)        # MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        pass

@@ -1,7 +1,8 @@
 """The cpu platform's "fused_decode" graph-capture strategy: a step of a few tokens (decodes,
-verified drafts, short prompt chunks: up to MAX_FUSED_TOKENS in all) runs the whole decoder in
-one native call (platforms/csrc/cpu_decode_step.cpp) instead of ~45 torch ops per layer; larger
-steps (prefill, big decode batches) run the eager model.
+verified drafts, short prompt chunks: up to MAX_FUSED_TOKENS in all) or of decodes only (up to
+MAX_FUSED_DECODES sequences) runs the whole decoder in one native call
+(platforms/csrc/cpu_decode_step.cpp) instead of ~45 torch ops per layer; other steps (prompt
+chunks) run the eager model.
 
 It asks the model for `decoder_stack()` (platforms/interface.py DecoderStackSpec), re-lays out
 the weights once into the kernel's blocks (4-bit groups from the quantization method's
@@ -37,7 +38,13 @@ logger = logging.getLogger("tokenmill.platforms.cpu")
 
 ABI_VERSION = 2
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
-MAX_FUSED_TOKENS = 32      # larger steps are compute-bound: oneDNN's GEMMs do better (bench gemm)
+# Any step of up to MAX_FUSED_TOKENS tokens runs fused; a step of one token per sequence (decodes
+# only) up to MAX_FUSED_DECODES: its attention reads each context once per row either way, and
+# the fused step's GEMMs run at oneDNN's rate from 8 rows up (docs/benchmarks.md) while the eager
+# step pays ~30 torch ops a layer around them. Prompt chunks above 32 tokens stay eager: their
+# rows attend to each other, which the eager path's flash attention does in one pass.
+MAX_FUSED_TOKENS = 32
+MAX_FUSED_DECODES = 256
 Q4, BF16, Q8 = 0, 1, 2
 
 
@@ -191,12 +198,14 @@ class FusedDecodeCapture(GraphCapture):
         except _Unsupported as e:
             logger.info("fused_decode: running the model eagerly: %s", e)
             return forward
-        logger.info("fused_decode: steps of up to %d tokens run as one native call (%s)", MAX_FUSED_TOKENS,
+        logger.info("fused_decode: steps of up to %d tokens (%d decodes) run as one native call (%s)",
+                    MAX_FUSED_TOKENS, MAX_FUSED_DECODES,
                     "the quantization method's packed weights in place" if self.weight_format == "native"
                     else f"{self.weight_format} weights")
 
         def fused_or_eager(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-            if input_ids.shape[0] <= MAX_FUSED_TOKENS:
+            tokens = input_ids.shape[0]
+            if tokens <= MAX_FUSED_TOKENS or (tokens <= MAX_FUSED_DECODES and meta.num_decodes == tokens):
                 return step(input_ids, positions, meta)
             return forward(input_ids, positions, meta)
 

@@ -2,6 +2,7 @@
 attention_backends/csrc/paged_decode.cpp) against plain torch."""
 from __future__ import annotations
 
+import ctypes
 
 import pytest
 import torch
@@ -53,6 +54,50 @@ def test_paged_decode_matches_float64(kv_dtype, tol, window, first, lens):
     ref, ref_lse = _attend(q, cache.float(), tables, lens, 0.125, window, first)
     assert (out.double() - ref).abs().max().item() < tol
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 2, 128), (8, 8, 64), (12, 2, 64), (4, 2, 80)])
+@pytest.mark.parametrize("lens", [[97, 130, 5, 200, 16], [150]])
+def test_paged_decode_head_layouts_match_float64(kv_dtype, heads, kv_heads, head_size, lens):
+    """The vector loops (head sizes 64 and 128: groups of 1, 4 and 6 query heads, accumulators
+    in chunks) and the scalar loop (80) against float64, lengths off and on the 16-row chunks."""
+    tables, meta = decode_batch(lens, 0, num_blocks=120, seed=1)
+    torch.manual_seed(1)
+    cache = torch.randn(2, 120, 16, kv_heads, head_size).to(kv_dtype)
+    q = torch.randn(len(lens), heads, head_size)
+    out = cpu_paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.1, None)
+    ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared_blocks,head_size", [(0, 64), (9, 64), (9, 128), (3, 64)])
+def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, shared_blocks, head_size):
+    """The fused step's entry (NATIVE_DECODE_ABI): new K/V rows written to their slots, then
+    attention; tables sharing >= 128 leading positions (9 blocks) take the cascade pass (the
+    prefix once for all rows, merged by log-sum-exp), 3 shared blocks the plain one. Both
+    equal float64 over the written cache."""
+    lens = [170, 200, 161, 190, 145, 177]
+    tables, meta = decode_batch(lens, shared_blocks, num_blocks=120, seed=2)
+    torch.manual_seed(2)
+    heads, kv_heads = 9, 3
+    cache = torch.randn(2, 120, 16, kv_heads, head_size).to(kv_dtype)
+    q = torch.randn(len(lens), heads, head_size)
+    k, v = torch.randn(len(lens), kv_heads, head_size), torch.randn(len(lens), kv_heads, head_size)
+    out = torch.empty_like(q)
+    lib = cpu_paged_decode.LIBRARY.require()
+    fn = lib.paged_attend_f32 if kv_dtype == torch.float32 else lib.paged_attend_bf16kv
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
+       meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), len(lens), heads, kv_heads, head_size,
+       16, 120, 0.1, 0)
+    flat = cache.view(2, -1, kv_heads, head_size)
+    assert torch.equal(flat[0, slots], k.to(kv_dtype)) and torch.equal(flat[1, slots], v.to(kv_dtype))
+    ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
+    assert (out.double() - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

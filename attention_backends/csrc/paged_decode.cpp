@@ -23,6 +23,10 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <typename KV>
@@ -49,6 +53,142 @@ inline uint16_t from_float<uint16_t>(float x) {   // round to nearest even, as t
   return static_cast<uint16_t>(bits >> 16);
 }
 
+#if defined(__AVX512F__)
+// Sixteen values of a K/V row as float32 (bf16 widens exactly: its bits are a float's top half).
+template <typename KV>
+inline __m512 load16(const KV* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<uint16_t>(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: a transpose-and-add tree, 45 instructions
+// for 16 dot products where a horizontal sum each would take ~8 apiece.
+inline __m512 sum16(const __m512* v) {
+  __m512 pairs[8];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 quads[4];   // per 128-bit lane: partial sums of v[4i..4i+3]
+  for (int i = 0; i < 4; ++i)
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Widen rows [t0, t0 + cnt) of KV heads [g0, g1) into buf [cnt][(g1 - g0) * D]: one contiguous
+// read per row, and a prefetch of the row 64 positions ahead (blocks sit anywhere in the pool,
+// so the hardware prefetcher cannot see the next block coming).
+template <typename KV, int D>
+inline void widen_rows(const KV* kv, const int32_t* table, int64_t block_size, int64_t row, int64_t g0, int64_t g1,
+                       int64_t t0, int cnt, int64_t len, float* buf) {
+  const int64_t width = (g1 - g0) * D;
+  for (int j = 0; j < cnt; ++j) {
+    const int64_t t = t0 + j;
+    const KV* src = kv + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row + g0 * D;
+    const int64_t ahead = t + 64;
+    if (ahead < len)
+      prefetch_row(kv + (static_cast<int64_t>(table[ahead / block_size]) * block_size + ahead % block_size) * row +
+                       g0 * D, width * static_cast<int64_t>(sizeof(KV)));
+    for (int64_t c = 0; c < width; c += 16) _mm512_storeu_ps(buf + j * width + c, load16<KV>(src + c));
+  }
+}
+
+// scores[h * n + i] = q_h . k_(start + i) for query heads [h0, h1) (KV heads [g0, g1)), 16
+// positions at a time: each K row is widened once and read by every head of its group.
+template <typename KV, int D>
+void qk_scores(const float* qf, const KV* kv, const int32_t* table, int64_t block_size, int64_t row, int64_t group,
+               int64_t h0, int64_t h1, int64_t start, int64_t len, float* scores, int64_t n, float* buf) {
+  constexpr int C = D / 16;
+  const int64_t g0 = h0 / group, g1 = (h1 - 1) / group + 1, width = (g1 - g0) * D;
+  for (int64_t t0 = start; t0 < len; t0 += 16) {
+    const int cnt = static_cast<int>(std::min<int64_t>(16, len - t0));
+    widen_rows<KV, D>(kv, table, block_size, row, g0, g1, t0, cnt, len, buf);
+    const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* kf = buf + (h / group - g0) * D;
+      __m512 qr[C];
+      for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(qf + h * D + 16 * c);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        if (j < cnt) {
+          __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kf + j * width));
+          for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kf + j * width + 16 * c), a);
+          acc[j] = a;
+        } else {
+          acc[j] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(scores + h * n + (t0 - start), valid, sum16(acc));
+    }
+  }
+}
+
+// out[h] += sum_j p[h][t0 + j] v_j over the cnt widened rows in buf, for HC heads from h, the
+// accumulators in registers.
+template <int D, int HC>
+inline void pv_chunk(const float* scores, int64_t n, int64_t offset, int cnt, const float* buf, int64_t width,
+                     int64_t group, int64_t g0, int64_t h, float* out) {
+  constexpr int C = D / 16;
+  __m512 acc[HC][C];
+  for (int i = 0; i < HC; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_loadu_ps(out + (h + i) * D + 16 * c);
+  for (int j = 0; j < cnt; ++j)
+    for (int i = 0; i < HC; ++i) {
+      const float* vf = buf + j * width + ((h + i) / group - g0) * D;
+      const __m512 p = _mm512_set1_ps(scores[(h + i) * n + offset + j]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vf + 16 * c), acc[i][c]);
+    }
+  for (int i = 0; i < HC; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (h + i) * D + 16 * c, acc[i][c]);
+}
+
+// out[h] = sum_i p[h][i] v_(start + i) for query heads [h0, h1) (out zeroed by the caller), 16
+// rows at a time, heads in chunks whose accumulators fit the 32 vector registers.
+template <typename KV, int D>
+void pv_scores(const float* scores, int64_t n, const KV* kv, const int32_t* table, int64_t block_size,
+               int64_t row, int64_t group, int64_t h0, int64_t h1, int64_t start, int64_t len, float* out,
+               float* buf) {
+  constexpr int kMaxHeads = D == 64 ? 4 : 2;
+  const int64_t g0 = h0 / group, g1 = (h1 - 1) / group + 1, width = (g1 - g0) * D;
+  for (int64_t t0 = start; t0 < len; t0 += 16) {
+    const int cnt = static_cast<int>(std::min<int64_t>(16, len - t0));
+    widen_rows<KV, D>(kv, table, block_size, row, g0, g1, t0, cnt, len, buf);
+    for (int64_t h = h0; h < h1;) {
+      const int64_t chunk = std::min<int64_t>(kMaxHeads, h1 - h);
+      const int64_t offset = t0 - start;
+      switch (chunk) {
+        case 4: pv_chunk<D, (kMaxHeads >= 4 ? 4 : 1)>(scores, n, offset, cnt, buf, width, group, g0, h, out); break;
+        case 3: pv_chunk<D, (kMaxHeads >= 3 ? 3 : 1)>(scores, n, offset, cnt, buf, width, group, g0, h, out); break;
+        case 2: pv_chunk<D, 2>(scores, n, offset, cnt, buf, width, group, g0, h, out); break;
+        default: pv_chunk<D, 1>(scores, n, offset, cnt, buf, width, group, g0, h, out); break;
+      }
+      h += chunk;
+    }
+  }
+}
+constexpr bool kVectorHeads = true;
+#else
+constexpr bool kVectorHeads = false;
+template <typename KV, int D>
+void qk_scores(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+               int64_t, float*, int64_t, float*) {}
+template <typename KV, int D>
+void pv_scores(const float*, int64_t, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+               int64_t, int64_t, float*, float*) {}
+#endif
+
 template <typename KV, int D>
 void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -69,6 +209,7 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
     std::vector<float> acc;
     std::vector<float> qf;
     std::vector<float> inv_sum;
+    std::vector<float> kf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * splits; ++item) {
       const int64_t s = item / splits;
@@ -86,7 +227,14 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
       for (int64_t i = h0 * hd; i < h1 * hd; ++i) qf[i] = qs[i] * scale;
       const int32_t* table = tables + s * table_stride;
 
-      for (int64_t t = start; t < len; ++t) {
+      // D a multiple of 16 (64, 128) runs the vector loops; any other size the scalar ones.
+      constexpr bool vector = kVectorHeads && D > 0 && D % 16 == 0;
+      if (vector) {
+        kf.resize(16 * row);
+        qk_scores<KV, (vector ? D : 16)>(qf.data(), kv, table, block_size, row, group, h0, h1, start, len,
+                                         scores.data(), n, kf.data());
+      }
+      for (int64_t t = start; t < (vector ? start : len); ++t) {
         const KV* k = kv + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
         for (int64_t h = h0; h < h1; ++h) {
           const float* qh = qf.data() + h * hd;
@@ -110,7 +258,10 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
         inv_sum[h] = 1.0f / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
       }
-      for (int64_t t = start; t < len; ++t) {
+      if (vector)
+        pv_scores<KV, (vector ? D : 16)>(scores.data(), n, kv + v_offset, table, block_size, row, group, h0, h1,
+                                         start, len, acc.data(), kf.data());
+      for (int64_t t = start; t < (vector ? start : len); ++t) {
         const KV* v = kv + v_offset +
                       (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
         for (int64_t h = h0; h < h1; ++h) {
@@ -146,6 +297,130 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
   }
 }
 
+#if defined(__AVX512F__)
+// Cascade attention for a prefix every row shares (prefix caching: the same physical blocks at
+// the start of every block table): each K/V row of the prefix is read once for all query rows
+// instead of once per sequence. Query rows (sequence, head) of one KV head run in tiles; each
+// tile streams the prefix in chunks of 16 positions with an online softmax. Out: the prefix's
+// attention [num_seqs, num_heads, D] and its log-sum-exp [num_seqs, num_heads].
+template <typename KV, int D>
+void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t prefix_len, int64_t block_size,
+                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset, float scale,
+                   float* out, float* lse) {
+  constexpr int C = D / 16;
+  constexpr int64_t kTile = 16;
+  const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * D;
+  const int64_t rows_per_head = num_seqs * group;
+  const int64_t tiles = (rows_per_head + kTile - 1) / kTile;
+#pragma omp parallel
+  {
+    std::vector<float> kf(16 * D), vf(16 * D), qt(kTile * D), acc(kTile * D), m(kTile), l(kTile);
+    std::vector<float> sc(kTile * 16), rescale(kTile, 0.0f);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_kv_heads * tiles; ++item) {
+      const int64_t g = item / tiles, r0 = (item % tiles) * kTile;
+      const int64_t nr = std::min(kTile, rows_per_head - r0);
+      for (int64_t r = 0; r < nr; ++r) {     // row r0 + r = (sequence, head in group)
+        const int64_t s = (r0 + r) / group, h = g * group + (r0 + r) % group;
+        for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q[(s * num_heads + h) * D + d] * scale;
+        m[r] = -1e30f;   // finite: -ffast-math assumes no infinities
+        l[r] = 0.0f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t0 = 0; t0 < prefix_len; t0 += 16) {
+        const int cnt = static_cast<int>(std::min<int64_t>(16, prefix_len - t0));
+        for (int j = 0; j < cnt; ++j) {
+          const int64_t t = t0 + j;
+          const int64_t slot = static_cast<int64_t>(blocks[t / block_size]) * block_size + t % block_size;
+          for (int c = 0; c < C; ++c) {
+            _mm512_storeu_ps(kf.data() + j * D + 16 * c, load16<KV>(kv + slot * row + g * D + 16 * c));
+            _mm512_storeu_ps(vf.data() + j * D + 16 * c, load16<KV>(kv + v_offset + slot * row + g * D + 16 * c));
+          }
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1);
+        // Scores of every row first (independent rows keep the vector units busy), then each
+        // row's softmax update, then P.V with two accumulator sets (even/odd positions) so the
+        // FMA chains are half as long.
+        for (int64_t r = 0; r < nr; ++r) {
+          __m512 qr[C];
+          for (int c = 0; c < C; ++c) qr[c] = _mm512_loadu_ps(qt.data() + r * D + 16 * c);
+          __m512 dots[16];
+          for (int j = 0; j < 16; ++j) {
+            if (j < cnt) {
+              __m512 a = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kf.data() + j * D));
+              for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kf.data() + j * D + 16 * c), a);
+              dots[j] = a;
+            } else {
+              dots[j] = _mm512_setzero_ps();
+            }
+          }
+          _mm512_storeu_ps(sc.data() + r * 16, sum16(dots));
+        }
+        for (int64_t r = 0; r < nr; ++r) {
+          const __m512 scores = _mm512_loadu_ps(sc.data() + r * 16);
+          const float top = std::max(m[r], _mm512_mask_reduce_max_ps(valid, scores));
+          float* pr = sc.data() + r * 16;
+          _mm512_storeu_ps(pr, _mm512_sub_ps(scores, _mm512_set1_ps(top)));
+#pragma omp simd
+          for (int j = 0; j < 16; ++j) pr[j] = j < cnt ? std::exp(pr[j]) : 0.0f;
+          rescale[r] = m[r] - top;
+          m[r] = top;
+        }
+#pragma omp simd
+        for (int64_t r = 0; r < kTile; ++r) rescale[r] = std::exp(rescale[r]);   // 0 on the first chunk (m = -1e30)
+        for (int64_t r = 0; r < nr; ++r) {
+          const float* pr = sc.data() + r * 16;
+          l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(_mm512_loadu_ps(pr));
+          __m512 even[C], odd[C];
+          const __m512 rs = _mm512_set1_ps(rescale[r]);
+          for (int c = 0; c < C; ++c) {
+            even[c] = _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + 16 * c), rs);
+            odd[c] = _mm512_setzero_ps();
+          }
+          int j = 0;
+          for (; j + 1 < cnt; j += 2) {
+            const __m512 p0 = _mm512_set1_ps(pr[j]), p1 = _mm512_set1_ps(pr[j + 1]);
+            for (int c = 0; c < C; ++c) {
+              even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf.data() + j * D + 16 * c), even[c]);
+              odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(vf.data() + (j + 1) * D + 16 * c), odd[c]);
+            }
+          }
+          if (j < cnt) {
+            const __m512 p0 = _mm512_set1_ps(pr[j]);
+            for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(vf.data() + j * D + 16 * c), even[c]);
+          }
+          for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc.data() + r * D + 16 * c, _mm512_add_ps(even[c], odd[c]));
+        }
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t s = (r0 + r) / group, h = g * group + (r0 + r) % group;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; ++d) out[(s * num_heads + h) * D + d] = acc[r * D + d] * inv;
+        lse[s * num_heads + h] = m[r] + std::log(l[r]);
+      }
+    }
+  }
+}
+#endif
+
+// The number of leading blocks all rows' tables share, each row keeping at least one position
+// of its own past them; 0 when that prefix is too short to be worth a pass of its own.
+constexpr int64_t kCascadeMinTokens = 128;
+inline int64_t shared_blocks(const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
+                             int64_t block_size) {
+  if (num_seqs < 2) return 0;
+  int64_t limit = INT64_MAX;
+  for (int64_t s = 0; s < num_seqs; ++s) limit = std::min<int64_t>(limit, (lens[s] - 1) / block_size);
+  int64_t shared = 0;
+  for (; shared < limit; ++shared) {
+    const int32_t b = tables[shared];
+    bool same = true;
+    for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * table_stride + shared] == b;
+    if (!same) break;
+  }
+  return shared * block_size >= kCascadeMinTokens ? shared : 0;
+}
+
 template <typename KV>
 void write_and_attend(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
                       const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
@@ -162,6 +437,34 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
       vd[i] = from_float<KV>(v[s * row + i]);
     }
   }
+#if defined(__AVX512F__)
+  const int64_t prefix = window > 0 || (head_size != 64 && head_size != 128)
+                             ? 0 : shared_blocks(tables, table_stride, lens, num_seqs, block_size) * block_size;
+  if (prefix > 0) {
+    // The prefix once for all rows, each row's own positions after it, merged by log-sum-exp.
+    thread_local std::vector<float> part, lse_prefix, lse_own;
+    const int64_t n = num_seqs * num_heads;
+    part.resize(n * head_size);
+    lse_prefix.resize(n);
+    lse_own.resize(n);
+    if (head_size == 64)
+      shared_prefix<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
+                            part.data(), lse_prefix.data());
+    else
+      shared_prefix<KV, 128>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
+                             part.data(), lse_prefix.data());
+    dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
+                 num_blocks, scale, 0, prefix, lse_own.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const float top = std::max(lse_prefix[i], lse_own[i]);
+      const float wp = std::exp(lse_prefix[i] - top), wo = std::exp(lse_own[i] - top);
+      const float inv = 1.0f / (wp + wo);
+      for (int64_t d = 0; d < head_size; ++d)
+        out[i * head_size + d] = (part[i * head_size + d] * wp + out[i * head_size + d] * wo) * inv;
+    }
+    return;
+  }
+#endif
   dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
                num_blocks, scale, window, 0, nullptr);
 }

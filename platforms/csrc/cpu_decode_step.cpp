@@ -39,6 +39,9 @@ namespace {
 constexpr int64_t kRows = 16;     // output rows per block
 constexpr int64_t kGroup = 32;    // Q4 group along the input
 constexpr int64_t kTok = 8;       // tokens sharing one pass over a weight block
+// Steps of at least this many tokens run their per-token work (norms, rope, SiLU, activation
+// rounding) on every thread; below it a parallel region costs more than the rows it splits.
+constexpr int64_t kParallelRows = 8;
 
 typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
                          const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
@@ -107,6 +110,7 @@ void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) 
   in.qu.resize(tokens * k);
   in.scale.resize(tokens * groups);
   in.offset.resize(tokens * groups);
+#pragma omp parallel for schedule(static) if (tokens >= kParallelRows)
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       const float* src = x + t * k + g * kGroup;
@@ -128,8 +132,9 @@ void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) 
     }
 }
 
-void round_bf16(const float* x, int64_t count, QuantizedInput& in) {
+void round_bf16(const float* x, int64_t count, QuantizedInput& in, int64_t rows = 1) {
   in.bf16.resize(count);
+#pragma omp parallel for schedule(static) if (rows >= kParallelRows)
   for (int64_t i = 0; i < count; ++i) {
     uint32_t bits;
     std::memcpy(&bits, &x[i], sizeof bits);
@@ -387,7 +392,7 @@ void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, Quan
   if (w.kind != 1)
     quantize_q8(x, tokens, w.k, in);
   else
-    round_bf16(x, tokens * w.k, in);
+    round_bf16(x, tokens * w.k, in, tokens);
   const int64_t blocks = w.n / kRows;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -496,7 +501,10 @@ void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y
 void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* positions, const int64_t* slots,
                        const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t tokens, void* out,
                        int64_t out_bf16, const float* embedded) {
-  thread_local Scratch s;   // reused, so a step allocates nothing once warm
+  // Reused, so a step allocates nothing once warm. Referenced through `s`: inside the parallel
+  // loops the name of a thread_local would mean each worker's own (empty) copy.
+  thread_local Scratch scratch;
+  Scratch& s = scratch;
   const int64_t hidden = m->hidden, hd = m->head_size;
   const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd;
   const int64_t qkv_size = q_size + 2 * kv_size;
@@ -512,6 +520,8 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
   s.act.resize(tokens * m->intermediate);
   AttendFn attend = reinterpret_cast<AttendFn>(m->attend);
 
+  const bool rows_parallel = tokens >= kParallelRows;
+#pragma omp parallel for schedule(static) if (rows_parallel)
   for (int64_t t = 0; t < tokens; ++t) {
     float* dst = s.residual.data() + t * hidden;
     if (embedded) {
@@ -525,9 +535,11 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
   }
   for (int64_t l = 0; l < m->num_layers; ++l) {
     const FusedLayer& layer = m->layers[l];
+#pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t)
       rms_norm(s.residual.data() + t * hidden, layer.input_norm, m->eps, hidden, s.normed.data() + t * hidden);
     matmul(layer.qkv, s.normed.data(), tokens, s.qkv.data(), s.in);
+#pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
       const float* row = s.qkv.data() + t * qkv_size;
       float* q = s.q.data() + t * q_size;
@@ -548,11 +560,16 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
     attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, slots, tables, table_stride, lens, s.attn.data(),
            tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, m->attn_scale, layer.window);
     matmul(layer.o, s.attn.data(), tokens, s.proj.data(), s.in);
-    for (int64_t i = 0; i < tokens * hidden; ++i) s.residual[i] += s.proj[i];
-    for (int64_t t = 0; t < tokens; ++t)
+#pragma omp parallel for schedule(static) if (rows_parallel)
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* r = s.residual.data() + t * hidden;
+      const float* p = s.proj.data() + t * hidden;
+      for (int64_t c = 0; c < hidden; ++c) r[c] += p[c];
       rms_norm(s.residual.data() + t * hidden, layer.post_norm, m->eps, hidden, s.normed.data() + t * hidden);
+    }
     matmul(layer.gate_up, s.normed.data(), tokens, s.gate_up.data(), s.in);
     const int64_t inter = m->intermediate;
+#pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
       const float* gate = s.gate_up.data() + t * 2 * inter;
       const float* up = gate + inter;
@@ -561,6 +578,7 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
       for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
     }
     matmul(layer.down, s.act.data(), tokens, s.proj.data(), s.in);
+#pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t i = 0; i < tokens * hidden; ++i) s.residual[i] += s.proj[i];
   }
   for (int64_t t = 0; t < tokens; ++t) {

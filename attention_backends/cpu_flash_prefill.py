@@ -1,0 +1,71 @@
+"""cpu_sdpa's bf16 prompt attention on AVX512-BF16 (attention_backends/csrc/flash_prefill.cpp).
+
+A flash-attention kernel for bf16 queries and keys/values: float32 scores and accumulators, the
+probabilities rounded to bf16 for P.V. torch's CPU flash kernel runs a 2048-token SmolLM2
+prompt's attention at ~120 GFLOP/s on a 2-core AVX512-BF16 host (60 % of the prompt's time);
+this one reads K and V in the pair layouts the bf16 dot product takes. Built on first use by
+platforms/native_build.py; TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without
+AVX512-BF16 leaves cpu_sdpa on torch's SDPA.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tokenmill.platforms.native_build import NativeLibrary
+
+ABI_VERSION = 1
+HEAD_SIZES = (64, 128)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.flash_prefill_available.restype = i64
+    lib.flash_prefill_available.argtypes = []
+    lib.flash_prefill_bf16.restype = i64
+    lib.flash_prefill_bf16.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                       i64, i64, p]
+
+
+LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "flash_prefill.cpp", ABI_VERSION, _declare)
+_why: Optional[list] = None
+
+
+def available() -> Optional[str]:
+    """None when the kernel runs here, else why not (cached after the first call)."""
+    global _why
+    if _why is None:
+        why = LIBRARY.available()
+        if why is None and not LIBRARY.require().flash_prefill_available():
+            why = "this CPU has no AVX512-BF16"
+        _why = [why]
+    return _why[0]
+
+
+def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether flash_prefill takes these operands (bf16, head sizes 64/128, dims contiguous)."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.shape[-1] in HEAD_SIZES
+            and all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k, v))
+            and k.shape == v.shape and available() is None)
+
+
+def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int, causal: bool,
+                  return_lse: bool = False):
+    """q [Tq, H, D] at positions q_offset + i, against k/v [Tk, Hkv, D] at positions 0 .. Tk - 1
+    (causal: query i sees keys <= q_offset + i). Returns [Tq, H, D] bf16, and with `return_lse`
+    the log-sum-exp [H, Tq] float32 of each query's scaled scores. `covers(q, k, v)` first."""
+    tq, heads, d = q.shape
+    tk, kv_heads, _ = k.shape
+    if heads % kv_heads:
+        raise ValueError(f"flash_prefill: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    out = torch.empty((tq, heads, d), dtype=torch.bfloat16)
+    lse = torch.empty((heads, tq), dtype=torch.float32) if return_lse else None
+    rc = LIBRARY.require().flash_prefill_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d, tq, tk,
+        heads, kv_heads, d, float(scale), int(q_offset), int(causal), lse.data_ptr() if lse is not None else None)
+    if rc != 0:
+        raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
+    return (out, lse) if return_lse else out

@@ -1,0 +1,61 @@
+"""The bf16 prompt-attention kernel (attention_backends/csrc/flash_prefill.cpp) against float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.attention_backends import cpu_flash_prefill
+
+pytestmark = pytest.mark.skipif(cpu_flash_prefill.available() is not None, reason=str(cpu_flash_prefill.available()))
+
+
+def _reference(q, k, v, scale, q_offset, causal):
+    """float64 softmax(q k^T) v per head, query i at position q_offset + i; and the log-sum-exp."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, 1)
+    vv = v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if causal:
+        pos_q = torch.arange(q.shape[0]).unsqueeze(1) + q_offset
+        scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > pos_q, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize("tq,tk,causal", [(37, 37, True), (16, 16, True), (20, 53, True), (5, 300, False),
+                                          (130, 130, True)])
+def test_flash_prefill_matches_float64(heads, kv_heads, head_size, tq, tk, causal):
+    """Fresh prompts (tq = tk), chunks after cached context (tq < tk, causal offset), a shared
+    prefix seen whole (non-causal), lengths off the 16-key blocks and 8-row tiles."""
+    torch.manual_seed(tq + tk)
+    q = torch.randn(tq, heads, head_size).bfloat16()
+    k = torch.randn(tk, kv_heads, head_size).bfloat16()
+    v = torch.randn(tk, kv_heads, head_size).bfloat16()
+    offset = tk - tq if causal else 0
+    out, lse = cpu_flash_prefill.flash_prefill(q, k, v, head_size ** -0.5, offset, causal, return_lse=True)
+    ref, ref_lse = _reference(q, k, v, head_size ** -0.5, offset, causal)
+    # bf16 output and bf16 probabilities in P.V: about 2^-8 relative
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=head_size ** -0.5,
+        attn_mask=None if not causal else (torch.arange(tk)[None] <= torch.arange(tq)[:, None] + offset),
+        enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    assert (out.double() - ref).abs().max() <= 2 * (sdpa.double() - ref).abs().max() + 4e-3
+
+
+def test_strided_query_and_bad_head_size():
+    """q, k, v as slices of fused projections, each its own token stride (the model's q and k
+    come from the rotated [q | k] rows, v from the [q | k | v] rows); head size 80 refused."""
+    torch.manual_seed(0)
+    qkv = torch.randn(40, 9 + 3 + 3, 64).bfloat16()
+    qk = qkv[:, :12].clone()
+    q, k, v = qk[:, :9], qk[:, 9:], qkv[:, 12:]
+    assert cpu_flash_prefill.covers(q, k, v)
+    out = cpu_flash_prefill.flash_prefill(q, k, v, 0.125, 0, True)
+    ref, _ = _reference(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, 0, True)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    x = torch.randn(4, 2, 80).bfloat16()
+    assert not cpu_flash_prefill.covers(x, x, x)
+    with pytest.raises(ValueError, match="head size 80"):
+        cpu_flash_prefill.flash_prefill(x, x, x, 0.1, 0, True)
