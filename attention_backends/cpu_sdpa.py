@@ -12,8 +12,14 @@ that is the whole context (it starts at position 0) attends to its own new keys/
 and uses a causal mask offset by the cached length. Non-causal metadata (encoders) drops the
 causal mask in both cases.
 
-Per-step derived tensors (gather indices, masks) are built once and kept on the metadata
-object, so the 30-odd layers of one step share them.
+Where the native kernels build, decodes read their blocks in place (cpu_paged_decode) and bf16
+prompt attention runs on AVX512-BF16 dot products (cpu_flash_prefill; also for float32
+activations over a bf16 cache, only the query rounded). Decodes, and runs of prompt chunks of
+one length, whose tables start with the same cached blocks attend to that prefix once for all
+their queries (cascade), merged with their own part by log-sum-exp.
+
+Per-step derived tensors (gather indices, masks, cascade plans: cpu_sdpa_plans.py) are built
+once and kept on the metadata object, so the 30-odd layers of one step share them.
 
 Logits soft-capping has no SDPA equivalent, so it takes a plain-matmul path with a float32
 softmax (correct, slower). KV cache layout is the default one.
@@ -26,132 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_flash_prefill, cpu_paged_decode
+from .cpu_sdpa_plans import _gather_blocks, _step_cache
 from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, write_kv
-
-_CACHE_ATTR = "_cpu_sdpa_step_cache"
-
-
-def _step_cache(metadata: AttentionMetadata, block_size: int, sliding_window: Optional[int],
-                device: torch.device) -> dict:
-    """Tensors that depend only on the batch layout, built on the first layer of a step."""
-    cache = getattr(metadata, _CACHE_ATTR, None)
-    nd = metadata.num_decodes
-    # Keyed on everything it derives from, so a metadata object mutated in place is still safe.
-    key = (sliding_window, block_size, nd, tuple(metadata.seq_lens_cpu[:nd]))
-    if (cache is not None and cache["key"] == key and cache["block_tables"] is metadata.block_tables
-            and cache["seq_lens"] is metadata.seq_lens):
-        return cache
-    cache = {"key": key, "block_tables": metadata.block_tables, "seq_lens": metadata.seq_lens}
-    if nd:
-        lens = metadata.seq_lens_cpu[:nd]
-        max_len = max(lens)
-        nblk = (max_len + block_size - 1) // block_size
-        cache["decode_nblk"] = nblk
-        cache["decode_max_len"] = max_len
-        cache["decode_index"] = metadata.block_tables[:nd, :nblk].reshape(-1).to(torch.long)
-        if min(lens) == max_len and sliding_window is None:
-            cache["decode_mask"] = None          # all the same length: nothing to mask
-        else:
-            pos = torch.arange(max_len, device=device).unsqueeze(0)
-            seq = metadata.seq_lens[:nd].to(device=device, dtype=torch.long).unsqueeze(1)
-            allowed = pos < seq
-            if sliding_window is not None:
-                allowed &= pos > seq - 1 - sliding_window
-            cache["decode_mask"] = allowed.view(nd, 1, 1, max_len)
-    cache["cascade"] = _shared_prefix_plan(metadata, block_size, sliding_window, device) if nd else None
-    cache["prefill_runs"] = _shared_prefill_runs(metadata, block_size, sliding_window)
-    try:
-        setattr(metadata, _CACHE_ATTR, cache)
-    except (AttributeError, TypeError):   # a frozen or slotted metadata: just recompute
-        pass
-    return cache
-
-
-def _gather_blocks(kv_cache: torch.Tensor, index: torch.Tensor, step: Optional[dict] = None) -> torch.Tensor:
-    """kv_cache[:, index] for the [2, num_blocks, ...] layout, as one dim-0 `index_select` over a
-    [2 * num_blocks, block elements] view (about twice as fast as selecting along dim 1)."""
-    if not kv_cache.is_contiguous():
-        return kv_cache.index_select(1, index)
-    num_blocks = kv_cache.shape[1]
-    both = None
-    if step is not None:
-        both = step.get(("both", num_blocks))
-    if both is None:
-        both = torch.cat([index, index + num_blocks])
-        if step is not None:
-            step[("both", num_blocks)] = both
-    flat = kv_cache.view(2 * num_blocks, -1)
-    if flat.dtype.itemsize == 1 and flat.dtype != torch.uint8:   # fp8: select the raw bytes
-        return flat.view(torch.uint8).index_select(0, both).view(flat.dtype).view(2, index.numel(), *kv_cache.shape[2:])
-    return flat.index_select(0, both).view(2, index.numel(), *kv_cache.shape[2:])
-
-
-CASCADE_MIN_TOKENS = 128   # a shared prefix shorter than this is cheaper to gather per sequence
-
-
-def _shared_prefix_plan(metadata: AttentionMetadata, block_size: int, sliding_window: Optional[int],
-                        device: torch.device) -> Optional[dict]:
-    """When all decodes start with the same physical blocks (prefix caching at work), attend to
-    those blocks once for all queries and only gather each sequence's own suffix (cascade
-    attention). None when there is no worthwhile shared prefix."""
-    nd = metadata.num_decodes
-    if nd < 2 or sliding_window is not None:
-        return None
-    lens = metadata.seq_lens_cpu[:nd]
-    limit = (min(lens) - 1) // block_size          # every sequence keeps >= 1 token of its own
-    if limit * block_size < CASCADE_MIN_TOKENS:
-        return None
-    tables = metadata.block_tables[:nd, :limit]
-    same = (tables == tables[:1]).all(0).to(torch.int32)
-    shared_blocks = int(same.cumprod(0).sum())
-    if shared_blocks * block_size < CASCADE_MIN_TOKENS:
-        return None
-    prefix_len = shared_blocks * block_size
-    suffix_lens = [n - prefix_len for n in lens]
-    max_suffix = max(suffix_lens)
-    suffix_blocks = (max(lens) + block_size - 1) // block_size - shared_blocks
-    plan = {
-        "prefix_index": tables[0, :shared_blocks].to(torch.long),
-        "prefix_len": prefix_len,
-        "suffix_index": metadata.block_tables[:nd, shared_blocks:shared_blocks + suffix_blocks]
-        .reshape(-1).to(torch.long),
-        "suffix_blocks": suffix_blocks,
-        "max_suffix": max_suffix,
-        "suffix_mask": None,
-    }
-    if min(suffix_lens) != max_suffix:
-        pos = torch.arange(max_suffix, device=device).unsqueeze(0)
-        allowed = pos < torch.tensor(suffix_lens, device=device).unsqueeze(1)
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
-        plan["suffix_mask"] = mask.masked_fill_(~allowed, float("-inf")).view(nd, 1, 1, max_suffix)
-    return plan
-
-
-def _shared_prefill_runs(metadata: AttentionMetadata, block_size: int,
-                         sliding_window: Optional[int]) -> dict[int, tuple[int, int]]:
-    """{first chunk: (chunks, prefix length)} for runs of prompt chunks of one length whose cached
-    context is the same leading blocks and nothing else (a shared system prompt under prefix
-    caching): the prefix is attended once for all their queries instead of once per chunk."""
-    runs: dict[int, tuple[int, int]] = {}
-    if sliding_window is not None or not metadata.causal:
-        return runs
-    qsl, lens, n = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, metadata.num_seqs
-    i = metadata.num_decodes
-    while i < n:
-        length = qsl[i + 1] - qsl[i]
-        prefix = lens[i] - length
-        j = i + 1
-        if prefix >= CASCADE_MIN_TOKENS and prefix % block_size == 0:
-            while j < n and qsl[j + 1] - qsl[j] == length and lens[j] - length == prefix:
-                j += 1
-            tables = metadata.block_tables[i:j, :prefix // block_size]
-            if j - i >= 2 and bool((tables == tables[:1]).all()):
-                runs[i] = (j - i, prefix)
-            else:
-                j = i + 1
-        i = j
-    return runs
-
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,6 +105,10 @@ class CpuSdpaAttention(AttentionBackend):
                              batch: int, causal: bool) -> torch.Tensor:
         """`batch` whole prompts of one length, rows back to back: attend to their own new K/V."""
         length = q.shape[0] // batch
+        flash = [self._flash(q[i * length:(i + 1) * length], k[i * length:(i + 1) * length],
+                             v[i * length:(i + 1) * length], 0, causal, cache_dtype) for i in range(batch)]
+        if all(f is not None for f in flash):
+            return torch.cat(flash).reshape(q.shape)
         if cache_dtype != q.dtype:                                 # read what the cache holds
             k = kv_round_trip(k, cache_dtype, self.k_scale)
             v = kv_round_trip(v, cache_dtype, self.v_scale)
@@ -245,9 +131,9 @@ class CpuSdpaAttention(AttentionBackend):
         prefix = _gather_blocks(kv_cache, index).view(2, prefix_len, hkv, d)
         if prefix.dtype != q.dtype:
             prefix = self._read(prefix, q.dtype)
-        if cpu_flash_prefill.covers(q, prefix[0], prefix[1]):
-            out_p, lse_p = cpu_flash_prefill.flash_prefill(q, prefix[0], prefix[1], self.scale, 0, False, True)
-            lse_p = lse_p.t()
+        flash = self._flash(q, prefix[0], prefix[1], 0, False, kv_cache.dtype, True)
+        if flash is not None:
+            out_p, lse_p = flash[0], flash[1].t()
         else:
             qp = q.view(tokens, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * tokens, d)
             out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
@@ -354,12 +240,13 @@ class CpuSdpaAttention(AttentionBackend):
         group = self.num_heads // hkv
         simple = self.sliding_window is None and not self.logits_soft_cap
         if ctx == 0 and simple:
+            flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype)
+            if flash is not None:
+                return flash
             k, v = k_new, v_new
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
                 v = kv_round_trip(v, kv_cache.dtype, self.v_scale)
-            if cpu_flash_prefill.covers(q, k, v):
-                return cpu_flash_prefill.flash_prefill(q, k, v, self.scale, 0, metadata.causal)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                                is_causal=metadata.causal, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
@@ -368,10 +255,11 @@ class CpuSdpaAttention(AttentionBackend):
         nblk = (seq_len + bs - 1) // bs
         idx = metadata.block_tables[i, :nblk].to(torch.long)
         kv = _gather_blocks(kv_cache, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
+        flash = self._flash(q, kv[0], kv[1], ctx, metadata.causal, kv_cache.dtype)
+        if flash is not None:
+            return flash
         if kv.dtype != q.dtype:
             kv = self._read(kv, q.dtype)
-        if simple and cpu_flash_prefill.covers(q, kv[0], kv[1]):
-            return cpu_flash_prefill.flash_prefill(q, kv[0], kv[1], self.scale, ctx, metadata.causal)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos                                   # causal, offset by the cached context
@@ -388,6 +276,22 @@ class CpuSdpaAttention(AttentionBackend):
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
                                            attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         return o[0].transpose(0, 1)
+
+    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, causal: bool,
+               cache_dtype: torch.dtype, return_lse: bool = False):
+        """The bf16 flash kernel where it applies: bf16 activations, or float32 ones over a bf16
+        cache (whose K/V hold bf16 values already: only the query is rounded); None elsewhere."""
+        if cache_dtype != torch.bfloat16:        # fp8 / float32 caches: their own read path
+            return None
+        widen = q.dtype == torch.float32
+        if widen:
+            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        if self.logits_soft_cap or self.sliding_window is not None or not cpu_flash_prefill.covers(q, k, v):
+            return None
+        out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse)
+        if not widen:
+            return out
+        return (out[0].float(), out[1]) if return_lse else out.float()
 
     def _read(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered cache blocks [2, ...] as `dtype` (an fp8 cache times its k/v scales)."""
