@@ -13,7 +13,7 @@ import torch
 
 from .native_build import NativeLibrary
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -22,7 +22,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64]
     lib.silu_mul_f32.argtypes = [p, p, i64, i64]
     lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p, p, p]
-    lib.dequantize_int32.argtypes = [p, p, p, p, p, p, i64, i64]
+    lib.dequantize_int32.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i64]
     for fn in (lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32, lib.quantize_rows_int8, lib.dequantize_int32):
         fn.restype = None
 
@@ -58,15 +58,27 @@ def quantize_rows_int8(x: torch.Tensor, num_outliers: int
 
 
 def dequantize_int32(acc: torch.Tensor, token_scale: torch.Tensor, channel_scale: torch.Tensor,
-                     extra: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """acc [M, N] int32 * token_scale [M] * channel_scale [N] (+ extra [M, N]) (+ bias [N]),
-    float32, in one pass."""
+                     extra: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                     outliers: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """acc [M, N] int32 * token_scale [M] * channel_scale [N] (+ extra [M, N]) (+ bias [N])
+    (+ values [M, J] @ weight_rows [J, N] for `outliers` = (values, weight_rows)), float32, in
+    one pass."""
     lib = library()
     acc = acc.contiguous()
     rows, cols = acc.shape
     out = extra.contiguous() if extra is not None else torch.empty((rows, cols), dtype=torch.float32)
     bias = bias.float().contiguous() if bias is not None else None      # kept alive for the call
     bias_ptr = bias.data_ptr() if bias is not None else None
+    values = weight_rows = None
+    if outliers is not None and outliers[0].numel():
+        values = outliers[0].float().contiguous()
+        weight_rows = outliers[1].float().contiguous()
+        if values.shape != (rows, weight_rows.shape[0]) or weight_rows.shape[1] != cols:
+            raise ValueError(f"dequantize_int32: outliers {tuple(values.shape)} x {tuple(weight_rows.shape)} "
+                             f"do not match acc {tuple(acc.shape)}")
     lib.dequantize_int32(acc.data_ptr(), token_scale.contiguous().data_ptr(), channel_scale.contiguous().data_ptr(),
-                         out.data_ptr() if extra is not None else None, bias_ptr, out.data_ptr(), rows, cols)
+                         out.data_ptr() if extra is not None else None, bias_ptr, out.data_ptr(), rows, cols,
+                         values.data_ptr() if values is not None else None,
+                         weight_rows.data_ptr() if weight_rows is not None else None,
+                         values.shape[1] if values is not None else 0)
     return out

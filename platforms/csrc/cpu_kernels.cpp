@@ -19,7 +19,7 @@
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 5; }
+int tokenmill_kernels_abi_version() { return 6; }
 
 // out = rmsnorm(x (+ residual)) * weight; with residual non-null, residual_out = x + residual.
 // Rows are contiguous; threads only for batches big enough to pay for waking them.
@@ -131,19 +131,32 @@ void quantize_rows_int8(const float* x, int64_t rows, int64_t cols, int64_t num_
 // out[m, n] = acc[m, n] * token_scale[m] * channel_scale[n] (+ extra[m, n]) (+ bias[n]).
 // extra and bias may be null; out may alias extra.
 void dequantize_int32(const int32_t* acc, const float* token_scale, const float* channel_scale,
-                      const float* extra, const float* bias, float* out, int64_t rows, int64_t cols) {
+                      const float* extra, const float* bias, float* out, int64_t rows, int64_t cols,
+                      const float* outlier_values, const float* outlier_weight, int64_t num_outliers) {
+  // outlier_values [rows, num_outliers] x outlier_weight [num_outliers, cols]: the input channels
+  // the int8 product left out, multiplied here in float32 while the row is in registers (a
+  // separate K = 16 GEMM wrote and re-read a float32 [rows, cols] tensor for them).
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* ar = acc + r * cols;
     const float ts = token_scale[r];
     float* orow = out + r * cols;
     const float* er = extra ? extra + r * cols : nullptr;
+    const float* vr = outlier_values ? outlier_values + r * num_outliers : nullptr;
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) {
       float v = static_cast<float>(ar[c]) * ts * channel_scale[c];
       if (er) v += er[c];
       if (bias) v += bias[c];
       orow[c] = v;
+    }
+    if (vr) {
+      for (int64_t j = 0; j < num_outliers; ++j) {
+        const float x = vr[j];
+        const float* wr = outlier_weight + j * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) orow[c] += x * wr[c];
+      }
     }
   }
 }
