@@ -76,7 +76,7 @@ def test_q8_head_matches_int8_groups(tokens):
 
 
 @pytest.mark.skipif(not fused.LIBRARY.require().fused_decode_caps() & 2, reason="no AVX512-BF16")
-@pytest.mark.parametrize("tokens", [1, 4, 6])
+@pytest.mark.parametrize("tokens", [1, 4, 6, 8, 13, 64])
 def test_bf16_matmul_matches_bf16_operands(tokens):
     torch.manual_seed(2)
     n, k = 32, 64
@@ -89,6 +89,9 @@ def test_bf16_matmul_matches_bf16_operands(tokens):
     head = fused.NativeHeadKernel("bf16")
     torch.testing.assert_close(head(x.bfloat16(), head.prepare(weight.bfloat16()), None), expected,
                                rtol=1e-5, atol=1e-5)
+    # Batches of 8+ rows take the two-block tiles: every row bit-identical to the row alone.
+    together = _run(linear, x)
+    assert all(torch.equal(together[i], _run(linear, x[i:i + 1])[0]) for i in range(tokens))
 
 
 def _decode_both_ways(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,15 +134,20 @@ def test_fused_step_agrees_with_the_eager_model(kind, overrides, mode, tmp_path)
     assert len(out[0].outputs[0].token_ids) == 6
 
 
-def test_batched_fused_step_equals_one_at_a_time(tmp_path):
-    """Sequences batched in one fused step get the same hidden states as each alone."""
+@pytest.mark.parametrize("mode", [{"quantization": "int4"}, {"dtype": "bfloat16"}])
+@pytest.mark.parametrize("lengths", [(5, 17, 33, 9, 12, 3), (5, 17, 33, 9, 12, 3, 40, 8, 21, 2, 14, 30)])
+def test_batched_fused_step_equals_one_at_a_time(tmp_path, mode, lengths):
+    """Sequences batched in one fused step get the same hidden states as each alone (12 rows:
+    the per-token loops on all threads and, in bf16, the two-block GEMM tiles)."""
     from tokenmill.attention_backends.interface import build_metadata
 
+    if mode.get("dtype") == "bfloat16" and not fused.LIBRARY.require().fused_decode_caps() & 2:
+        pytest.skip("no AVX512-BF16")
     save_tiny_checkpoint("llama", str(tmp_path))
-    llm = LLM(str(tmp_path), quantization="int4", kv_cache_memory=16 << 20, generation_config="none")
+    llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, generation_config="none", **mode)
     runner = llm.engine.runner
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in (5, 17, 33, 9, 12, 3)]
+    prompts = [torch.randint(10, 1000, (n,), generator=g).tolist() for n in lengths]
     tables, lens, alone = [], [], []
     next_block = 0
     with torch.inference_mode():
