@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 HEAD_SIZES = (64, 128)
 
 
@@ -28,6 +28,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flash_prefill_bf16.restype = i64
     lib.flash_prefill_bf16.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
                                        i64, i64, p]
+    lib.flash_prefill_batch_bf16.restype = i64
+    lib.flash_prefill_batch_bf16.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_float, i64,
+                                             p]
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "flash_prefill.cpp", ABI_VERSION, _declare)
@@ -66,6 +69,30 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     rc = LIBRARY.require().flash_prefill_bf16(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d, tq, tk,
         heads, kv_heads, d, float(scale), int(q_offset), int(causal), lse.data_ptr() if lse is not None else None)
+    if rc != 0:
+        raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
+    return (out, lse) if return_lse else out
+
+
+def flash_prefill_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, starts: torch.Tensor,
+                        causal: bool, return_lse: bool = False):
+    """Whole prompts back to back in one call: prompt p is rows starts[p] .. starts[p + 1] - 1 of
+    q [T, H, D] and k/v [T, Hkv, D] and attends to its own keys only, from position 0 (a batch of
+    fresh prompts, or chunks' own tokens). `starts` int64 [batch + 1]. Returns [T, H, D] bf16, and
+    with `return_lse` the log-sum-exp [H, T] float32. `covers(q, k, v)` first."""
+    total, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"flash_prefill: {heads} query heads are not a multiple of {kv_heads} KV heads")
+    starts = starts.to(torch.int64).contiguous()
+    if starts.numel() < 2 or int(starts[0]) != 0 or int(starts[-1]) != total:
+        raise ValueError(f"flash_prefill: starts must run from 0 to the {total} rows")
+    out = torch.empty((total, heads, d), dtype=torch.bfloat16)
+    lse = torch.empty((heads, total), dtype=torch.float32) if return_lse else None
+    rc = LIBRARY.require().flash_prefill_batch_bf16(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d,
+        starts.data_ptr(), starts.numel() - 1, heads, kv_heads, d, float(scale), int(causal),
+        lse.data_ptr() if lse is not None else None)
     if rc != 0:
         raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
     return (out, lse) if return_lse else out

@@ -105,10 +105,9 @@ class CpuSdpaAttention(AttentionBackend):
                              batch: int, causal: bool) -> torch.Tensor:
         """`batch` whole prompts of one length, rows back to back: attend to their own new K/V."""
         length = q.shape[0] // batch
-        flash = [self._flash(q[i * length:(i + 1) * length], k[i * length:(i + 1) * length],
-                             v[i * length:(i + 1) * length], 0, causal, cache_dtype) for i in range(batch)]
-        if all(f is not None for f in flash):
-            return torch.cat(flash).reshape(q.shape)
+        flash = self._flash_batch(q, k, v, torch.arange(0, q.shape[0] + 1, length), causal, cache_dtype)
+        if flash is not None:
+            return flash.reshape(q.shape)
         if cache_dtype != q.dtype:                                 # read what the cache holds
             k = kv_round_trip(k, cache_dtype, self.k_scale)
             v = kv_round_trip(v, cache_dtype, self.v_scale)
@@ -134,6 +133,13 @@ class CpuSdpaAttention(AttentionBackend):
         flash = self._flash(q, prefix[0], prefix[1], 0, False, kv_cache.dtype, True)
         if flash is not None:
             out_p, lse_p = flash[0], flash[1].t()
+            own = self._flash_batch(q, k, v, torch.arange(0, tokens + 1, length), True, kv_cache.dtype, True)
+            if own is not None:        # each chunk's own tokens: one native call for all chunks
+                out_s, lse_s = own[0], own[1].t()
+                top = torch.maximum(lse_p, lse_s)
+                w_p = torch.exp(lse_p - top).unsqueeze_(-1)
+                w_s = torch.exp(lse_s - top).unsqueeze_(-1)
+                return out_p.float().mul_(w_p).add_(out_s.float().mul_(w_s)).div_(w_p.add_(w_s)).to(q.dtype)
         else:
             qp = q.view(tokens, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * tokens, d)
             out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
@@ -289,6 +295,21 @@ class CpuSdpaAttention(AttentionBackend):
         if self.logits_soft_cap or self.sliding_window is not None or not cpu_flash_prefill.covers(q, k, v):
             return None
         out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse)
+        if not widen:
+            return out
+        return (out[0].float(), out[1]) if return_lse else out.float()
+
+    def _flash_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, causal: bool,
+                     cache_dtype: torch.dtype, return_lse: bool = False):
+        """_flash for whole prompts back to back (rows `starts`), all in one native call."""
+        if cache_dtype != torch.bfloat16 or self.logits_soft_cap or self.sliding_window is not None:
+            return None
+        widen = q.dtype == torch.float32
+        if widen:
+            q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        if not cpu_flash_prefill.covers(q, k, v):
+            return None
+        out = cpu_flash_prefill.flash_prefill_batch(q, k, v, self.scale, starts, causal, return_lse)
         if not widen:
             return out
         return (out[0].float(), out[1]) if return_lse else out.float()

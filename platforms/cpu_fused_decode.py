@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -36,7 +36,7 @@ from .native_build import NativeLibrary
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 # Any step of up to MAX_FUSED_TOKENS tokens runs fused; a step of one token per sequence (decodes
 # only) up to MAX_FUSED_DECODES: its attention reads each context once per row either way, and
@@ -45,7 +45,11 @@ ROWS = 16                  # output rows per weight block (one 512-bit register 
 # rows attend to each other, which the eager path's flash attention does in one pass.
 MAX_FUSED_TOKENS = 32
 MAX_FUSED_DECODES = 256
-Q4, BF16, Q8 = 0, 1, 2
+# Under "q4", steps of this many tokens and more run S8 (int8 per-channel weights, 2 blocks x 6
+# tokens a tile): 3072 x 576 at 8 rows 934 vs 728 GOP/s for Q4, at 64 rows 1290 vs 816 (bf16
+# 818); at 4 rows Q4 still wins (718 vs 649), its weights being a quarter of the bytes.
+BATCH_ROWS = 8
+Q4, BF16, Q8, S8 = 0, 1, 2, 5
 
 
 class _Linear(ctypes.Structure):
@@ -120,6 +124,47 @@ def pack_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return packed, blocked(scale, torch.float16), blocked(corr, torch.float32)
 
 
+def pack_s8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 [N, K], float scale [N]: w = scale[n] * q[n, k]) -> the kernel's S8 parts: q as
+    [N/16, K/4, 16, 4], the scales float32 [N], and per group of 32 inputs the int32
+    -128 * sum(q) of each row, [N/16, K/32, 16] (it cancels the u8 activation's +128)."""
+    n, k = q.shape
+    packed = q.reshape(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    corr = (-128 * q.to(torch.int32).reshape(n, k // 32, 32).sum(dim=-1)).to(torch.int32)
+    corr = corr.reshape(n // ROWS, ROWS, k // 32).permute(0, 2, 1).contiguous()
+    return packed, scale.float().contiguous(), corr
+
+
+def s8_linear(tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], n: int, k: int) -> "_Linear":
+    return _Linear(kind=S8, n=n, k=k, weight=tensors[0].data_ptr(), scales=tensors[1].data_ptr(),
+                   lows=tensors[2].data_ptr())
+
+
+class S8Weight(NamedTuple):
+    """A weight in S8, as the int4 method keeps it for batches (quantization_kernels "pack_s8"):
+    the structure the native matmul reads and the tensors it points into."""
+    linear: _Linear
+    tensors: tuple[torch.Tensor, ...]
+
+
+def pack_s8_weight(q: torch.Tensor, scale: torch.Tensor) -> Optional[S8Weight]:
+    """int8 [N, K] with float scales [N] -> S8Weight; None for shapes outside its blocks."""
+    n, k = q.shape
+    if n % ROWS or k % 32:
+        return None
+    tensors = pack_s8(q, scale)
+    return S8Weight(s8_linear(tensors, n, k), tensors)
+
+
+def matmul_s8(x: torch.Tensor, weight: S8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] float32 times an S8Weight -> float32 [M, N] (+ bias): activations quantized to
+    int8 per 32 inputs, int8 x int8 dot products, one native call (threads over row blocks)."""
+    x = x.float().contiguous()
+    y = torch.empty((x.shape[0], weight.linear.n), dtype=torch.float32)
+    LIBRARY.require().fused_matmul(ctypes.byref(weight.linear), x.data_ptr(), x.shape[0], y.data_ptr())
+    return y.add_(bias) if bias is not None else y
+
+
 class NativeHeadKernel:
     """The LM head of a decode step as a layer kernel ("lm_head", core/layers/kernels.py), one
     native call: under quantization="int4" ("q8") int8 weights per group of 32 (28 MB for
@@ -177,7 +222,8 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).reshape(n // ROWS, ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-WEIGHT_FORMATS = ("q4", "bf16", "native")     # native: the quantization method's packed parts as they are
+# native: the quantization method's packed parts as they are; s8: its int8 per-channel weights.
+WEIGHT_FORMATS = ("q4", "bf16", "native", "s8")
 
 
 class FusedDecodeCapture(GraphCapture):
@@ -225,7 +271,7 @@ class FusedDecodeCapture(GraphCapture):
         if lib is None:
             return why
         caps = lib.fused_decode_caps()
-        if self.weight_format in ("q4", "native") and not caps & 1:
+        if self.weight_format in ("q4", "native", "s8") and not caps & 1:
             return "this CPU has no AVX512-VNNI"
         if self.weight_format == "bf16" and not caps & 2:
             return "this CPU has no AVX512-BF16"
@@ -266,6 +312,9 @@ class _FusedStep:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(slot, name, self._linear(getattr(layer, name), weight_format, f"layer {i} {name}"))
             slot.window = int(layer.attention.sliding_window or 0)
+        # Batches (BATCH_ROWS tokens and more) under "q4": the same layers over the method's int8
+        # per-channel weights (what its own eager matmuls take for batches) in S8.
+        self._batch_layers = self._s8_variant(spec) if weight_format == "q4" else None
         self._kv_caches: list[Optional[torch.Tensor]] = [None] * len(spec.layers)
         attn = spec.layers[0].attention
         embedding = spec.embedding.detach()
@@ -288,7 +337,38 @@ class _FusedStep:
             embedding=embedding.data_ptr(), embedding_bf16=int(embedding.dtype == torch.bfloat16),
             final_norm=self._f32(spec.final_norm), cos_sin=self._f32(spec.cos_sin), layers=self._layers,
             attend=attn.impl.native_decode_fn(attn.kv_cache))
+        self._batch_model = None
+        if self._batch_layers is not None:
+            self._batch_model = _Model.from_buffer_copy(self._model)
+            self._batch_model.layers = self._batch_layers
         self._hidden = spec.hidden_size
+
+    def _s8_variant(self, spec: DecoderStackSpec) -> Optional[ctypes.Array]:
+        """A copy of the layer structures with every linear in S8, or None where a layer's
+        quantization method keeps no int8 per-channel weights."""
+        parts = []
+        for layer in spec.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                linear = getattr(layer, name)
+                kept = getattr(linear.quant_method, "batch_weight", None)       # S8Weight, used in place
+                found = kept(linear) if kept is not None else None
+                if not isinstance(found, S8Weight):
+                    channels = getattr(linear.quant_method, "int8_channels", None)
+                    found = channels(linear) if channels is not None else None
+                    found = pack_s8_weight(*found) if found is not None else None
+                if found is None:
+                    return None
+                parts.append(found)
+        layers = (_Layer * len(spec.layers))()
+        for i, slot in enumerate(self._layers):
+            layers[i] = _Layer.from_buffer_copy(slot)
+            for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+                weight = parts[4 * i + j]
+                self._keep.extend(weight.tensors)
+                packed = _Linear.from_buffer_copy(weight.linear)
+                packed.bias = getattr(slot, name).bias
+                setattr(layers[i], name, packed)
+        return layers
 
     def _f32(self, t: torch.Tensor) -> int:
         t = t.detach().float().contiguous()
@@ -308,6 +388,13 @@ class _FusedStep:
                 raise _Unsupported(f"{where}: native part is {packed.linear.n} x {packed.linear.k}, not {n} x {k}")
             out = _Linear.from_buffer_copy(packed.linear)          # the struct; the bytes stay the method's
             tensors = tuple(packed.tensors)
+        elif weight_format == "s8":
+            channels = getattr(linear.quant_method, "int8_channels", None)
+            found = channels(linear) if channels is not None else None
+            if found is None:
+                raise _Unsupported(f"{where}: its quantization method keeps no int8 per-channel weights")
+            tensors = pack_s8(*found)
+            out = s8_linear(tensors, n, k)
         elif weight_format == "q4":
             groups = linear.quant_method.affine_groups(linear)
             if groups is None or groups[3] != 32:
@@ -335,6 +422,9 @@ class _FusedStep:
                 self._kv_caches[i] = cache
                 self._layers[i].kv_cache = cache.data_ptr()
                 self._model.num_blocks = cache.shape[1]
+                if self._batch_model is not None:
+                    self._batch_layers[i].kv_cache = cache.data_ptr()
+                    self._batch_model.num_blocks = cache.shape[1]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         """Any few tokens: the native attention takes one query row per "sequence", so a sequence
@@ -359,7 +449,8 @@ class _FusedStep:
         if self._embed is not None:
             embedded = self._embed(ids).float().contiguous()
         out = torch.empty((tokens, self._hidden), dtype=self.out_dtype)
-        self._lib.fused_decode_step(ctypes.byref(self._model), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
+        model = self._batch_model if self._batch_model is not None and tokens >= BATCH_ROWS else self._model
+        self._lib.fused_decode_step(ctypes.byref(model), ids.data_ptr(), pos.data_ptr(), slots.data_ptr(),
                                     tables.data_ptr(), tables.shape[1], lens.data_ptr(), tokens, out.data_ptr(),
                                     int(self.out_dtype == torch.bfloat16),
                                     embedded.data_ptr() if embedded is not None else None)

@@ -13,7 +13,7 @@ import torch
 
 from .native_build import NativeLibrary
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -22,15 +22,17 @@ Kernels = Mapping[str, Callable[..., Any]]
 class _Int4State(NamedTuple):
     packed: torch.Tensor              # torch's int4 pack of q
     scale_and_zero: torch.Tensor      # bf16 [K/G, N, 2]
-    int8_weight: torch.Tensor         # [K, N] for torch._int_mm
+    int8_weight: Optional[torch.Tensor]   # [K, N] for torch._int_mm; None when `batch` holds them
     channel_scale: torch.Tensor       # float32 [N]
     nibbles: torch.Tensor             # q as uint8 [N, K/2], two per byte (even k low): affine_groups
+    batch: Any = None                 # the platform's packed int8 weights ("pack_s8"), or None
 
 
 class _Int8HeadState(NamedTuple):
-    int8_weight: torch.Tensor
-    channel_scale: torch.Tensor
-    by_channel: torch.Tensor          # the weight stored [K, N], viewed [N, K]
+    int8_weight: Optional[torch.Tensor]
+    channel_scale: Optional[torch.Tensor]
+    by_channel: Optional[torch.Tensor]    # the weight stored [K, N], viewed [N, K]
+    batch: Any = None                     # or the platform's packed int8 weights ("pack_s8")
 
 
 class CpuInt4Quantization(UnquantizedLinearMethod):
@@ -54,6 +56,10 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
       its 4-bit weights by 8-bit activations. Perplexity of SmolLM2-135M on 808 tokens of
       English: 66.34 fp32, 66.84 this way.
     The parameter is overwritten with the dequantized 4-bit values (what a float32 fallback uses).
+    Where the platform hands over "pack_s8" / "matmul_s8" (the cpu platform with AVX512-VNNI),
+    batches instead run its native int8 matmul over the same int8 per-channel weights, with the
+    activations quantized per 32 inputs (no outlier channels needed: a group's scale follows its
+    own largest value), one call instead of quantize + GEMM + dequantize.
     """
     name = "int4"
     group_size = 32
@@ -115,13 +121,19 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         q8 = q.to(torch.uint8)
         nibbles = q8[:, 0::2] | (q8[:, 1::2] << 4)
-        layer.int4_state = _Int4State(packed, scale_and_zero, *quantize_int8_per_channel(values), nibbles)
+        int8_weight, channel_scale = quantize_int8_per_channel(values)
+        pack = self.kernels.get("pack_s8")
+        batch = pack(int8_weight.t(), channel_scale) if pack is not None else None
+        layer.int4_state = _Int4State(packed, scale_and_zero, None if batch is not None else int8_weight,
+                                      channel_scale, nibbles, batch)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         state: Optional[_Int4State] = layer.int4_state
         if state is None or x.dim() != 2 or x.dtype != torch.float32:
             return F.linear(x, layer.weight, bias)
         if x.shape[0] >= self.small_batch_rows:
+            if state.batch is not None:
+                return self.kernels["matmul_s8"](x, state.batch, bias)
             return int8_matmul_per_token(x, state.int8_weight, state.channel_scale, layer.weight,
                                          self.outlier_channels, bias, self.kernels)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), state.packed, self.group_size,
@@ -138,6 +150,19 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
         low = (state.scale_and_zero[..., 1].float().t() - 8 * scale).contiguous()
         q = torch.stack((state.nibbles & 0x0F, state.nibbles >> 4), dim=-1).reshape(state.nibbles.shape[0], -1)
         return q, scale, low, self.group_size
+
+    def int8_channels(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The weights `apply` multiplies batches by: int8 [N, K] (a view) and float32 scales [N]
+        (w = scale[n] * q[n, k]); None for a layer kept dense."""
+        state: Optional[_Int4State] = getattr(layer, "int4_state", None)
+        if state is None or state.int8_weight is None:
+            return None
+        return state.int8_weight.t(), state.channel_scale
+
+    def batch_weight(self, layer: nn.Module) -> Any:
+        """The platform's packed int8 weights batches multiply by ("pack_s8"), or None."""
+        state: Optional[_Int4State] = getattr(layer, "int4_state", None)
+        return None if state is None else state.batch
 
     def lm_head_method(self) -> "Int8HeadMethod":
         head = Int8HeadMethod(self.outlier_channels)
@@ -161,14 +186,22 @@ class Int8HeadMethod(UnquantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach().float()
+        int8_weight, channel_scale = quantize_int8_per_channel(weight)
+        pack = self.kernels.get("pack_s8")
+        batch = pack(int8_weight.t(), channel_scale) if pack is not None else None
+        if batch is not None:         # the native matmul needs neither the int8 [K, N] nor a float copy
+            layer.int8_head_state = _Int8HeadState(None, None, None, batch)
+            return
         # A [K, N] copy (as a transposed view) so outlier channels are contiguous rows; the
         # weight itself stays [N, K] for the embedding it is tied to.
-        layer.int8_head_state = _Int8HeadState(*quantize_int8_per_channel(weight), weight.t().contiguous().t())
+        layer.int8_head_state = _Int8HeadState(int8_weight, channel_scale, weight.t().contiguous().t())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.float32:
             return F.linear(x, layer.weight, bias)
         state: _Int8HeadState = layer.int8_head_state
+        if state.batch is not None:
+            return self.kernels["matmul_s8"](x, state.batch, bias)
         return int8_matmul_per_token(x, state.int8_weight, state.channel_scale, state.by_channel,
                                      self.outlier_channels, bias, self.kernels)
 

@@ -70,3 +70,9 @@ class Int8Quantization(UnquantizedLinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return int8_linear(layer, x, bias, kernels=self.kernels)
+
+    def int8_channels(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """int8 [N, K] and float32 scales [N] (w = scale[n] * q[n, k]): what a platform's fused
+        step multiplies by (the cpu platform's S8)."""
+        q = getattr(layer, "int8_weight", None)
+        return None if q is None else (q, layer.int8_scale)

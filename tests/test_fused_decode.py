@@ -160,9 +160,47 @@ def test_batched_fused_step_equals_one_at_a_time(tmp_path, mode, lengths):
             alone.append(runner.forward(torch.tensor([p[-1]]), torch.tensor([n - 1]), decode))
             tables.append(table)
             lens.append(n)
-        batch = build_metadata([1] * len(prompts), lens, tables, 16, num_decodes=len(prompts))
-        together = runner.forward(torch.tensor([p[-1] for p in prompts]), torch.tensor([n - 1 for n in lens]), batch)
+        def step(rows: list[int]) -> torch.Tensor:
+            batch = build_metadata([1] * len(rows), [lens[i] for i in rows], [tables[i] for i in rows], 16,
+                                   num_decodes=len(rows))
+            return runner.forward(torch.tensor([prompts[i][-1] for i in rows]),
+                                  torch.tensor([lens[i] - 1 for i in rows]), batch)
+
+        together = step(list(range(len(prompts))))
+        if mode.get("quantization") == "int4" and len(prompts) >= fused.BATCH_ROWS:
+            # Batches of BATCH_ROWS and more run the int8 (S8) weights, one row alone the 4-bit
+            # ones: the same rows must come out of any two batches, and close to each alone.
+            width, n = fused.BATCH_ROWS, len(prompts)
+            first, last = step(list(range(width))), step(list(range(n - width, n)))
+            assert torch.equal(together, torch.cat((first, last[2 * width - n:])))
+            cosine = torch.nn.functional.cosine_similarity(together, torch.cat(alone), dim=-1)
+            assert cosine.min() > 0.99, cosine
+            return
     assert torch.equal(together, torch.cat(alone))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 64])
+def test_s8_matmul_is_the_integer_product_per_32_inputs(rows):
+    """S8: activations to int8 per 32 inputs, int8 weights per output row; equals that product
+    computed in float64, and a row's result does not depend on the rows beside it."""
+    if not fused.LIBRARY.require().fused_decode_caps() & 1:
+        pytest.skip("no AVX512-VNNI")
+    g = torch.Generator().manual_seed(7)
+    n, k = 96, 160
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    scale = torch.rand(n, generator=g) / 100
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 30, k)     # a few large channels
+    weight = fused.pack_s8_weight(q, scale)
+    y = fused.matmul_s8(x, weight, bias)
+    groups = x.double().reshape(rows, k // 32, 32)
+    sa = groups.abs().amax(dim=-1, keepdim=True) / 127
+    a8 = torch.round(groups / sa)
+    dots = torch.einsum("rgi,ngi->rng", a8, q.double().reshape(n, k // 32, 32))
+    ref = (dots * sa.squeeze(-1)[:, None, :]).sum(-1) * scale.double() + bias.double()
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused.matmul_s8(x[-1:], weight, bias), y[-1:])
+    assert fused.pack_s8_weight(q[:90], scale[:90]) is None          # rows outside blocks of 16
 
 
 def test_falls_back_to_eager_and_says_why(tmp_path, caplog):

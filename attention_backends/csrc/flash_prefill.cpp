@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-extern "C" int tokenmill_kernels_abi_version() { return 1; }
+extern "C" int tokenmill_kernels_abi_version() { return 2; }
 
 #if defined(__AVX512BF16__)
 namespace {
@@ -200,10 +200,70 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   }
 }
 
+// Whole prompts back to back (prompt p: rows starts[p] .. starts[p + 1] - 1 of q, k, v and out,
+// each attending to its own keys only, from position 0): one pass packs every prompt's K/V,
+// one parallel loop runs every (prompt, head, tile) item, longest prompts' last tiles first.
+template <int D>
+void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
+               int64_t v_stride, uint16_t* out, int64_t out_stride, const int64_t* starts, int64_t batch,
+               int64_t num_heads, int64_t num_kv_heads, float scale, bool causal, float* lse) {
+  std::vector<int64_t> packed(batch + 1, 0);        // offset of each prompt's packed heads
+  std::vector<int64_t> first_item(batch + 1, 0);
+  const int64_t group = num_heads / num_kv_heads;
+  for (int64_t p = 0; p < batch; ++p) {
+    const int64_t len = starts[p + 1] - starts[p];
+    packed[p + 1] = packed[p] + num_kv_heads * ((len + kKeys - 1) / kKeys) * kKeys * D;
+    first_item[p + 1] = first_item[p] + num_heads * ((len + kRows - 1) / kRows);
+  }
+  static thread_local std::vector<uint16_t> kp, vp;
+  kp.assign(packed[batch], 0);
+  vp.assign(packed[batch], 0);
+  uint16_t* kpd = kp.data();
+  uint16_t* vpd = vp.data();
+  for (int64_t p = 0; p < batch; ++p)
+    pack_kv(k + starts[p] * k_stride, k_stride, v + starts[p] * v_stride, v_stride, starts[p + 1] - starts[p],
+            num_kv_heads, D, kpd + packed[p], vpd + packed[p]);
+  const int64_t items = first_item[batch];
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < items; ++item) {
+    // Items of one prompt are consecutive; within it, its last tiles first (they see more keys).
+    const int64_t p = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const int64_t len = starts[p + 1] - starts[p], tiles = (len + kRows - 1) / kRows;
+    const int64_t local = item - first_item[p];
+    const int64_t tile = tiles - 1 - local / num_heads, h = local % num_heads, g = h / group;
+    const int64_t head = ((len + kKeys - 1) / kKeys) * kKeys * D, i0 = tile * kRows;
+    attend_tile<D>(q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
+                   out + starts[p] * out_stride, out_stride, h, i0, std::min(kRows, len - i0), len, scale, 0, causal,
+                   lse ? lse + starts[p] : nullptr, starts[batch]);
+  }
+}
+
 }  // namespace
 #endif
 
 extern "C" {
+
+// run_batch's prompts: starts [batch + 1] row offsets; lse [num_heads, starts[batch]] or null.
+// Returns 0, or -1 for a head size it does not cover.
+int64_t flash_prefill_batch_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
+                                 const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
+                                 const int64_t* starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_size, float scale, int64_t causal, float* lse) {
+#if defined(__AVX512BF16__)
+  if (head_size == 64) {
+    run_batch<64>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, batch, num_heads, num_kv_heads,
+                  scale, causal != 0, lse);
+    return 0;
+  }
+  if (head_size == 128) {
+    run_batch<128>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, batch, num_heads, num_kv_heads,
+                   scale, causal != 0, lse);
+    return 0;
+  }
+#endif
+  return -1;
+}
+
 
 // 1 when this build has the kernel (the CPU has AVX512-BF16), else 0.
 int64_t flash_prefill_available() {

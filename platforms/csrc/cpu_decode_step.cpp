@@ -18,6 +18,13 @@
 //  * Q8 (the LM head under quantization="int4"): w = scale * w8 per group of 32, w8 signed,
 //    [block][group][8 chunks][16 rows][4]; the activation as u8 = a8 + 128 (VNNI multiplies u8 by
 //    s8), so y += scale*sa*dot(u8, w8) - sa * (128 * scale * sum(w8)).
+//  * S8 (batches under quantization="int4", every step under "int8"): w = scale[row] * w8, one
+//    scale per output row, w8 signed [block][K/4][16 rows][4], and per (block, group of 32) the
+//    int32 -128 * sum(w8) of each row. The activation as u8 = a8 + 128 (per 32 inputs, as Q8): a
+//    group's int32 dot starts from that correction, so it comes out as sum(a8 * w8) exactly and
+//    costs one convert and one multiply-add per 8 dot products (Q8's per-group weight scale and
+//    float correction cost three more); the row scale is applied once at the end. Tiles of 2
+//    blocks x 6 tokens share each weight load across 6 tokens and each broadcast across 2 blocks.
 //  * BF16 (dtype=bfloat16): [block][K/2][16][2] bf16 pairs, the activation rounded to bf16,
 //    AVX512-BF16 dot products accumulating in float32.
 //  * GGUF kept quantized (quantization="gguf"): the quantization method's own packed parts
@@ -53,12 +60,13 @@ typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* k
 extern "C" {
 
 struct FusedLinear {
-  int64_t kind;             // 0 = Q4, 1 = BF16, 2 = Q8, 3 = Q4K, 4 = Q6K (fused_matmul only)
+  int64_t kind;             // 0 = Q4, 1 = BF16, 2 = Q8, 3 = Q4K, 4 = Q6K (fused_matmul only), 5 = S8
   int64_t n, k;             // output rows (multiple of 16), inputs (multiple of 32; 256: Q4K, Q6K)
   const uint8_t* weight;
   const uint16_t* scales;   // Q4, Q8: fp16 [n/16][k/32][16]; Q4K, Q6K: records [n/16][k/256] (below)
   const uint16_t* lows;     // Q4: fp16 lows; Q8: float32 128 * scale * sum(w8) of the group;
                             // null: Q4 low = -8 * scale, Q8 the sums computed on the fly (GGUF Q4_0/Q8_0)
+                            // S8: scales is float32 [n] (per row), lows int32 [n/16][k/32][16]
   const float* bias;        // [n] or null
 };
 
@@ -114,6 +122,27 @@ void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) 
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       const float* src = x + t * k + g * kGroup;
+#if defined(__AVX512F__)
+      {  // the loop below, 16 lanes at a time (cvtps rounds to nearest even, as nearbyint does)
+        const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float sa = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(sa > 0.0f ? 1.0f / sa : 0.0f);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        const __m128i blo = _mm512_cvtsepi32_epi8(qlo), bhi = _mm512_cvtsepi32_epi8(qhi);
+        int8_t* dst = in.q.data() + t * k + g * kGroup;
+        uint8_t* dst_u = in.qu.data() + t * k + g * kGroup;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), blo);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), bhi);
+        const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_u), _mm_xor_si128(blo, flip));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_u + 16), _mm_xor_si128(bhi, flip));
+        in.scale[t * groups + g] = sa;
+        in.offset[t * groups + g] = sa * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+        continue;
+      }
+#endif
       float amax = 0.0f;
       for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
       const float sa = amax / 127.0f;
@@ -228,8 +257,80 @@ inline void q8_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, 
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
 }
+
+// S8: NB consecutive row blocks from b for T tokens (see the layout notes at the top). Per row
+// the same integer dots and the same float sequence (one multiply-add per group, in group order,
+// then the row scale) whatever NB and T are, so a row's result does not depend on its tile.
+template <int NB, int T>
+inline void s8_tile(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
+                    int64_t y_stride) {
+  const int64_t groups = w.k / kGroup;
+  const int64_t block_bytes = w.k * kRows;
+  const uint8_t* wb = w.weight + b * block_bytes;
+  const int32_t* cb = reinterpret_cast<const int32_t*>(w.lows) + b * groups * kRows;
+  const float* row_scale = reinterpret_cast<const float*>(w.scales) + b * kRows;
+  __m512 acc[T][NB];
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < NB; ++j) acc[t][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[T][NB];
+    for (int j = 0; j < NB; ++j) {
+      const __m512i corr = _mm512_loadu_si512(cb + (j * groups + g) * kRows);
+      for (int t = 0; t < T; ++t) dot[t][j] = corr;
+    }
+    const uint8_t* wg = wb + g * 512;
+    for (int c = 0; c < 8; ++c) {
+      __m512i wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wg + j * block_bytes + c * 64);
+      for (int t = 0; t < T; ++t) {
+        int32_t four;
+        std::memcpy(&four, in.qu.data() + (t0 + t) * w.k + g * kGroup + c * 4, sizeof four);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int j = 0; j < NB; ++j) dot[t][j] = _mm512_dpbusd_epi32(dot[t][j], a, wv[j]);
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 sa = _mm512_set1_ps(in.scale[(t0 + t) * groups + g]);
+      for (int j = 0; j < NB; ++j) acc[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t][j]), sa, acc[t][j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 scale = _mm512_loadu_ps(row_scale + j * kRows);
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + (b + j) * kRows, _mm512_mul_ps(acc[t][j], scale));
+  }
+}
+
+// All tokens for the NB blocks from b: tiles of 6 tokens, then the rest.
+template <int NB>
+inline void s8_blocks(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t tokens, float* y) {
+  int64_t t0 = 0;
+  for (; t0 + 6 <= tokens; t0 += 6) s8_tile<NB, 6>(w, b, in, t0, y, w.n);
+  switch (tokens - t0) {
+    case 5: s8_tile<NB, 5>(w, b, in, t0, y, w.n); break;
+    case 4: s8_tile<NB, 4>(w, b, in, t0, y, w.n); break;
+    case 3: s8_tile<NB, 3>(w, b, in, t0, y, w.n); break;
+    case 2: s8_tile<NB, 2>(w, b, in, t0, y, w.n); break;
+    case 1: s8_tile<NB, 1>(w, b, in, t0, y, w.n); break;
+    default: break;
+  }
+}
+
+void s8_matmul(const FusedLinear& w, const QuantizedInput& in, int64_t tokens, float* y) {
+  const int64_t blocks = w.n / kRows;
+  if (tokens == 1) {
+    // One token reads the weights once: 4 blocks a pass keep more loads in flight.
+#pragma omp parallel for schedule(static)
+    for (int64_t bq = 0; bq < blocks / 4; ++bq) s8_tile<4, 1>(w, 4 * bq, in, 0, y, w.n);
+    for (int64_t b = blocks / 4 * 4; b < blocks; ++b) s8_tile<1, 1>(w, b, in, 0, y, w.n);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t bp = 0; bp < blocks / 2; ++bp) s8_blocks<2>(w, 2 * bp, in, tokens, y);
+  if (blocks % 2) s8_blocks<1>(w, blocks - 1, in, tokens, y);
+}
 #else
 constexpr bool kHasQ4 = false;
+void s8_matmul(const FusedLinear&, const QuantizedInput&, int64_t, float*) {}
 template <int T>
 inline void q4_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
 template <int T>
@@ -427,7 +528,9 @@ void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, Quan
   else
     round_bf16(x, tokens * w.k, in, tokens);
   const int64_t blocks = w.n / kRows;
-  if (w.kind == 1 && tokens >= kTok && blocks % 2 == 0) {
+  if (w.kind == 5) {
+    s8_matmul(w, in, tokens, y);
+  } else if (w.kind == 1 && tokens >= kTok && blocks % 2 == 0) {
     // Batches of bf16 rows: pairs of blocks, 6 tokens a pass (24 accumulators).
 #pragma omp parallel for schedule(static)
     for (int64_t bp = 0; bp < blocks / 2; ++bp) {
@@ -461,6 +564,7 @@ void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, Quan
   }
   }
   if (w.bias)
+#pragma omp parallel for schedule(static) if (tokens >= kParallelRows)
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t i = 0; i < w.n; ++i) y[t * w.n + i] += w.bias[i];
 }
@@ -494,7 +598,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 2; }
+int tokenmill_kernels_abi_version() { return 3; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI); bit 1: BF16 matmuls (AVX512-BF16).
 int64_t fused_decode_caps() { return (kHasQ4 ? 1 : 0) | (kHasBf16 ? 2 : 0); }

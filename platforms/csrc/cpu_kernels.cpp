@@ -17,9 +17,13 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 6; }
+int tokenmill_kernels_abi_version() { return 7; }
 
 // out = rmsnorm(x (+ residual)) * weight; with residual non-null, residual_out = x + residual.
 // Rows are contiguous; threads only for batches big enough to pay for waking them.
@@ -134,8 +138,46 @@ void dequantize_int32(const int32_t* acc, const float* token_scale, const float*
                       const float* extra, const float* bias, float* out, int64_t rows, int64_t cols,
                       const float* outlier_values, const float* outlier_weight, int64_t num_outliers) {
   // outlier_values [rows, num_outliers] x outlier_weight [num_outliers, cols]: the input channels
-  // the int8 product left out, multiplied here in float32 while the row is in registers (a
-  // separate K = 16 GEMM wrote and re-read a float32 [rows, cols] tensor for them).
+  // the int8 product left out, multiplied here in float32 while the output is in registers (a
+  // separate K = 16 GEMM wrote and re-read a float32 [rows, cols] tensor for them). Tiles of 4
+  // rows x 64 columns: each outlier weight vector loaded once for 4 rows (a row at a time
+  // re-read and re-wrote its output once per outlier: 5.8 vs 1.4 ms at 2048 x 3072 here).
+#if defined(__AVX512F__)
+  const int64_t chunks = cols / 64, row_tiles = (rows + 3) / 4;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t rt = 0; rt < row_tiles; ++rt)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      const int64_t r0 = rt * 4, nr = std::min<int64_t>(4, rows - r0), c0 = ch * 64;
+      __m512 o[4][4];
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t r = r0 + std::min<int64_t>(i, nr - 1);
+        const __m512 ts = _mm512_set1_ps(token_scale[r]);
+        for (int v = 0; v < 4; ++v) {
+          const int64_t c = c0 + 16 * v;
+          __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * cols + c)), ts),
+                                   _mm512_loadu_ps(channel_scale + c));
+          if (extra) x = _mm512_add_ps(x, _mm512_loadu_ps(extra + r * cols + c));
+          if (bias) x = _mm512_add_ps(x, _mm512_loadu_ps(bias + c));
+          o[i][v] = x;
+        }
+      }
+      if (outlier_values)
+        for (int64_t j = 0; j < num_outliers; ++j) {
+          __m512 wv[4];
+          for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_ps(outlier_weight + j * cols + c0 + 16 * v);
+          for (int64_t i = 0; i < 4; ++i) {
+            const __m512 xv = _mm512_set1_ps(outlier_values[(r0 + std::min<int64_t>(i, nr - 1)) * num_outliers + j]);
+            for (int v = 0; v < 4; ++v) o[i][v] = _mm512_fmadd_ps(xv, wv[v], o[i][v]);
+          }
+        }
+      for (int64_t i = 0; i < nr; ++i)
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + (r0 + i) * cols + c0 + 16 * v, o[i][v]);
+    }
+  const int64_t done = chunks * 64;
+#else
+  const int64_t done = 0;
+#endif
+  if (done == cols) return;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* ar = acc + r * cols;
@@ -144,7 +186,7 @@ void dequantize_int32(const int32_t* acc, const float* token_scale, const float*
     const float* er = extra ? extra + r * cols : nullptr;
     const float* vr = outlier_values ? outlier_values + r * num_outliers : nullptr;
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) {
+    for (int64_t c = done; c < cols; ++c) {
       float v = static_cast<float>(ar[c]) * ts * channel_scale[c];
       if (er) v += er[c];
       if (bias) v += bias[c];
@@ -155,7 +197,7 @@ void dequantize_int32(const int32_t* acc, const float* token_scale, const float*
         const float x = vr[j];
         const float* wr = outlier_weight + j * cols;
 #pragma omp simd
-        for (int64_t c = 0; c < cols; ++c) orow[c] += x * wr[c];
+        for (int64_t c = done; c < cols; ++c) orow[c] += x * wr[c];
       }
     }
   }
