@@ -45,6 +45,16 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Op
     return out, lse
 
 
+def _merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Attention over two disjoint key sets merged into attention over both: each part weighted by
+    its share exp(lse - max) of the softmax denominator (lse [..., H], out [..., H, D])."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a = torch.exp(lse_a - top).unsqueeze_(-1)
+    w_b = torch.exp(lse_b - top).unsqueeze_(-1)
+    return out_a.float().mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a.add_(w_b)).to(dtype)
+
+
 class CpuSdpaAttention(AttentionBackend):
     name = "cpu_sdpa"
     supported_devices = ("cpu",)
@@ -135,11 +145,7 @@ class CpuSdpaAttention(AttentionBackend):
             out_p, lse_p = flash[0], flash[1].t()
             own = self._flash_batch(q, k, v, torch.arange(0, tokens + 1, length), True, kv_cache.dtype, True)
             if own is not None:        # each chunk's own tokens: one native call for all chunks
-                out_s, lse_s = own[0], own[1].t()
-                top = torch.maximum(lse_p, lse_s)
-                w_p = torch.exp(lse_p - top).unsqueeze_(-1)
-                w_s = torch.exp(lse_s - top).unsqueeze_(-1)
-                return out_p.float().mul_(w_p).add_(out_s.float().mul_(w_s)).div_(w_p.add_(w_s)).to(q.dtype)
+                return _merge_by_lse(out_p, lse_p, own[0], own[1].t(), q.dtype)
         else:
             qp = q.view(tokens, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * tokens, d)
             out_p, lse_p = _attend_with_lse(qp, prefix[0].transpose(0, 1).unsqueeze(0),
@@ -155,10 +161,7 @@ class CpuSdpaAttention(AttentionBackend):
             q.view(count, length, heads, d).transpose(1, 2), own_k, own_v, 0.0, True, scale=self.scale)[:2]
         out_s = out_s.transpose(1, 2).reshape(tokens, heads, d)
         lse_s = lse_s.transpose(1, 2).reshape(tokens, heads)
-        top = torch.maximum(lse_p, lse_s)
-        w_p = torch.exp(lse_p - top).unsqueeze(-1)
-        w_s = torch.exp(lse_s - top).unsqueeze(-1)
-        return ((out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)).to(q.dtype)
+        return _merge_by_lse(out_p, lse_p, out_s, lse_s, q.dtype)
 
     # -- decode: one batched call ------------------------------------------------------------
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -231,10 +234,7 @@ class CpuSdpaAttention(AttentionBackend):
             suffix = suffix.view(2, nd, -1, hkv, d)[:, :, :plan["max_suffix"]]
             out_s, lse_s = _attend_with_lse(q4, suffix[0].transpose(1, 2), suffix[1].transpose(1, 2),
                                             plan["suffix_mask"], self.scale)
-        top = torch.maximum(lse_p, lse_s)
-        w_p = torch.exp(lse_p - top).unsqueeze(-1)
-        w_s = torch.exp(lse_s - top).unsqueeze(-1)
-        return ((out_p.float() * w_p + out_s.float() * w_s) / (w_p + w_s)).to(q4.dtype)
+        return _merge_by_lse(out_p, lse_p, out_s, lse_s, q4.dtype)
 
     # -- prefill: one sequence -----------------------------------------------------------------
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -5,7 +5,7 @@ down 576x1536, LM head 49152x576) and a few row counts, times (best of 5 repeats
   int_mm        torch._int_mm, int8 x int8 -> int32 (oneDNN), operands ready
   int8_per_tok  quantization="int4"'s path for 8+ rows: quantize the rows (16 outlier channels
                 in float32), int_mm, dequantize (quantization/cpu_int4.py)
-  fused_q4      the fused decode step's 4-bit x int8 matmul (platforms/cpu_fused_decode.py)
+  fused_q4      the fused decode step's 4-bit x int8 matmul (platforms/cpu_decode_kernels.py)
   q8_head       the LM head kernel under quantization="int4" (int8 groups x int8)
   f32, bf16     F.linear in float32 and bfloat16
 and prints GOP/s (a multiply-add counts 2) and the fraction of the peak: register-only
@@ -56,7 +56,7 @@ def _candidates(n: int, k: int, rows: int, name: str):
     import torch
     import torch.nn.functional as F
 
-    from tokenmill.platforms import cpu_fused_decode as fused
+    from tokenmill.platforms import cpu_decode_kernels as native
     from tokenmill.platforms import cpu_kernels
     from tokenmill.quantization.cpu_int4 import CpuInt4Quantization, int8_matmul_per_token, quantize_int8_per_channel
 
@@ -76,17 +76,17 @@ def _candidates(n: int, k: int, rows: int, name: str):
                        "dequantize_int32": cpu_kernels.dequantize_int32}
         by_channel = weight.t().contiguous().t()
         out["int8_per_tok"] = lambda: int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, None, kernels)
-    if fused.NativeHeadKernel.available() is None:
-        lib = fused.LIBRARY.require()
+    if native.NativeHeadKernel.available() is None:
+        lib = native.LIBRARY.require()
         y = torch.empty(rows, n)
         if name == "lm_head":            # the kernel itself, at every row count (the layer caps it)
-            linear, tensors = fused.NativeHeadKernel("q8").prepare(weight)
+            linear, tensors = native.NativeHeadKernel("q8").prepare(weight)
             out["q8_head"] = lambda: (lib.fused_matmul(ctypes.byref(linear), x.data_ptr(), rows, y.data_ptr()),
                                       tensors)
         else:
             q, scale, low = CpuInt4Quantization.quantize(weight, bf16_params=True)
-            packed = fused.pack_q4(q.to(torch.uint8), scale, low)
-            linear = fused._Linear(kind=fused.Q4, n=n, k=k, weight=packed[0].data_ptr(),
+            packed = native.pack_q4(q.to(torch.uint8), scale, low)
+            linear = native.NativeLinear(kind=native.Q4, n=n, k=k, weight=packed[0].data_ptr(),
                                    scales=packed[1].data_ptr(), lows=packed[2].data_ptr(), bias=None)
             out["fused_q4"] = lambda: (lib.fused_matmul(ctypes.byref(linear), x.data_ptr(), rows, y.data_ptr()),
                                        packed)
@@ -96,13 +96,13 @@ def _candidates(n: int, k: int, rows: int, name: str):
 def run(args) -> int:
     import torch
 
-    from tokenmill.platforms import cpu_fused_decode as fused
+    from tokenmill.platforms import cpu_decode_kernels as native
 
     if args.threads:
         torch.set_num_threads(args.threads)
     rows_list = args.rows or [1, 8, 64, 512]
     shapes = args.shape or list(SHAPES)
-    peak = max(fused.vnni_peak_gops() for _ in range(3)) if fused.NativeHeadKernel.available() is None else None
+    peak = max(native.vnni_peak_gops() for _ in range(3)) if native.NativeHeadKernel.available() is None else None
     print(f"threads {torch.get_num_threads()}; measured AVX512-VNNI int8 peak: "
           + (f"{peak:.0f} GOP/s" if peak else "unavailable (no VNNI kernels here)"))
     results = {"threads": torch.get_num_threads(), "vnni_peak_gops": peak, "rows": []}

@@ -119,7 +119,8 @@ class CpuPlatform(Platform):
     def graph_capture(self, config) -> GraphCapture:
         """Default: "fused_decode" (decode steps as one native call, platforms/cpu_fused_decode.py)
         for quantization="int4", "gguf" (its natively packed GGUF parts, multiplied in place: the
-        same kernels and int8 activations as its eager matmuls) and dtype bfloat16; float32 stays
+        same kernels and int8 activations as its eager matmuls), "int8" (its int8 per-channel
+        weights in S8, activations per 32 inputs instead of per token) and dtype bfloat16; float32 stays
         eager, token-identical to transformers. enforce_eager or TOKENMILL_CPU_KERNELS=0: eager.
         Where the step cannot take a model (tiled GGUF formats, no VNNI, ...) it says why in the
         log and the model runs eagerly."""
@@ -129,6 +130,7 @@ class CpuPlatform(Platform):
         choice = config.device.graph_capture
         quantization = config.model.quantization
         weight_format = ("q4" if quantization == "int4" else "native" if quantization == "gguf"
+                         else "s8" if quantization == "int8"
                          else "bf16" if config.model.dtype == "bfloat16" and not quantization else None)
         if config.device.enforce_eager or choice == "none":
             return GraphCapture()
@@ -138,7 +140,7 @@ class CpuPlatform(Platform):
             return TorchCompileCapture()
         if choice == "fused_decode":
             if weight_format is None:
-                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4' or 'gguf' or dtype 'bfloat16' "
+                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' or dtype 'bfloat16' "
                                  "on the cpu platform (float32 runs eagerly, matching transformers)")
             return FusedDecodeCapture(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
@@ -177,7 +179,8 @@ class CpuPlatform(Platform):
         activations for every dense matmul (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels
         from .cpu_layer_kernels import native_layer_kernels
-        from .cpu_fused_decode import FusedDecodeCapture, NativeHeadKernel
+        from .cpu_decode_kernels import NativeHeadKernel
+        from .cpu_fused_decode import FusedDecodeCapture
         from .cpu_linear import Bf16WeightLinear
 
         if config.model.quantization == "gguf":
@@ -239,13 +242,13 @@ class CpuPlatform(Platform):
         kernels = {"quantize_rows_int8": cpu_kernels.quantize_rows_int8,
                    "dequantize_int32": cpu_kernels.dequantize_int32}
         if name == "int4":
-            from . import cpu_fused_decode as fused
+            from . import cpu_decode_kernels as native
 
-            if fused.NativeHeadKernel.available("q8") is None:
+            if native.NativeHeadKernel.available("q8") is None:
                 # Batches in S8 (int8 per-channel weights, activations per 32 inputs, one native
                 # call): 2048 x 3072 x 576 in 6.0 ms vs 8.6 for torch._int_mm with its quantize,
-                # outlier and dequantize passes (platforms/cpu_fused_decode.py).
-                kernels.update(pack_s8=fused.pack_s8_weight, matmul_s8=fused.matmul_s8)
+                # outlier and dequantize passes (platforms/cpu_decode_kernels.py).
+                kernels.update(pack_s8=native.pack_s8_weight, matmul_s8=native.matmul_s8)
         return kernels
 
     def lora_kernels(self) -> Callable[..., None] | None:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .cpu_fused_decode import LIBRARY, Q4, Q8, ROWS, NativeHeadKernel, _Linear, pack_q4
+from .cpu_decode_kernels import LIBRARY, Q4, Q8, ROWS, NativeHeadKernel, NativeLinear, pack_q4
 
 Q4K, Q6K = 3, 4            # cpu_decode_step.cpp FusedLinear kinds that only fused_matmul takes
 SUPER = 256                # K-quant super-block: the kernels' metadata records are per 256 inputs
@@ -35,7 +35,7 @@ SUPER = 256                # K-quant super-block: the kernels' metadata records 
 @dataclass(eq=False)
 class PackedGroups:
     """One weight in a native layout; `tensors` are all it keeps (the caller registers them)."""
-    linear: _Linear
+    linear: NativeLinear
     kind: int
     tensors: tuple[torch.Tensor, ...]
     n: int
@@ -56,7 +56,7 @@ def pack_affine4(q: torch.Tensor, scale: torch.Tensor, low: Optional[torch.Tenso
     n, k = q.shape
     nibbles, scales, lows = pack_q4(q, scale, low if low is not None else torch.zeros_like(scale))
     tensors = (nibbles, scales) if low is None else (nibbles, scales, lows)
-    linear = _Linear(kind=Q4, n=n, k=k, weight=nibbles.data_ptr(), scales=scales.data_ptr(),
+    linear = NativeLinear(kind=Q4, n=n, k=k, weight=nibbles.data_ptr(), scales=scales.data_ptr(),
                      lows=lows.data_ptr() if low is not None else None, bias=None)
     return PackedGroups(linear, Q4, tensors, n, k)
 
@@ -66,7 +66,7 @@ def pack_int8_groups(w8: torch.Tensor, scale: torch.Tensor) -> PackedGroups:
     n, k = w8.shape
     packed = w8.to(torch.int8).reshape(n // ROWS, ROWS, k // 32, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     scales = scale.reshape(n // ROWS, ROWS, k // 32).permute(0, 2, 1).to(torch.float16).contiguous()
-    linear = _Linear(kind=Q8, n=n, k=k, weight=packed.data_ptr(), scales=scales.data_ptr(), lows=None, bias=None)
+    linear = NativeLinear(kind=Q8, n=n, k=k, weight=packed.data_ptr(), scales=scales.data_ptr(), lows=None, bias=None)
     return PackedGroups(linear, Q8, (packed, scales), n, k)
 
 
@@ -93,7 +93,7 @@ def pack_q4k(q: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor
     nibbles = _nibbles(q)
     record = torch.cat((_per_block(d.to(torch.float16), 1), _per_block(dmin.to(torch.float16), 1),
                         _per_block(sc.to(torch.uint8), 8), _per_block(m.to(torch.uint8), 8)), dim=-1).contiguous()
-    linear = _Linear(kind=Q4K, n=n, k=k, weight=nibbles.data_ptr(), scales=record.data_ptr(), lows=None, bias=None)
+    linear = NativeLinear(kind=Q4K, n=n, k=k, weight=nibbles.data_ptr(), scales=record.data_ptr(), lows=None, bias=None)
     return PackedGroups(linear, Q4K, (nibbles, record), n, k)
 
 
@@ -110,7 +110,7 @@ def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> PackedGroups
     pairs = (high << shifts).sum(dim=4, dtype=torch.uint8)                    # disjoint bits: sum == or
     weight = torch.cat((low[..., 0, :] | (low[..., 1, :] << 4), pairs), dim=3).permute(0, 2, 3, 1, 4).contiguous()
     record = torch.cat((_per_block(d.to(torch.float16), 1), _per_block(sc.to(torch.int8), 16)), dim=-1).contiguous()
-    linear = _Linear(kind=Q6K, n=n, k=k, weight=weight.data_ptr(), scales=record.data_ptr(), lows=None, bias=None)
+    linear = NativeLinear(kind=Q6K, n=n, k=k, weight=weight.data_ptr(), scales=record.data_ptr(), lows=None, bias=None)
     return PackedGroups(linear, Q6K, (weight, record), n, k)
 
 

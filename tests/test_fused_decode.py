@@ -12,11 +12,12 @@ import torch
 from model_helpers import save_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.platforms import cpu_decode_kernels as native
 from tokenmill.platforms import cpu_fused_decode as fused
 from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
 
-pytestmark = pytest.mark.skipif(fused.NativeHeadKernel.available() is not None,
-                                reason=f"fused decode kernels unavailable: {fused.NativeHeadKernel.available()}")
+pytestmark = pytest.mark.skipif(native.NativeHeadKernel.available() is not None,
+                                reason=f"fused decode kernels unavailable: {native.NativeHeadKernel.available()}")
 
 
 def _q8_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,9 +28,9 @@ def _q8_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a8, sa
 
 
-def _run(linear: "fused._Linear", x: torch.Tensor) -> torch.Tensor:
+def _run(linear: "native.NativeLinear", x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x.shape[0], linear.n), dtype=torch.float32)
-    fused.LIBRARY.require().fused_matmul(ctypes.byref(linear), x.data_ptr(), x.shape[0], y.data_ptr())
+    native.LIBRARY.require().fused_matmul(ctypes.byref(linear), x.data_ptr(), x.shape[0], y.data_ptr())
     return y
 
 
@@ -39,8 +40,8 @@ def test_q4_matmul_is_scale_q_plus_low_times_q8_activations(tokens):
     n, k = 48, 96
     weight = torch.randn(n, k)
     q, scale, low = CpuInt4Quantization.quantize(weight, bf16_params=True)
-    packed = fused.pack_q4(q.to(torch.uint8), scale, low)
-    linear = fused._Linear(kind=fused.Q4, n=n, k=k, weight=packed[0].data_ptr(), scales=packed[1].data_ptr(),
+    packed = native.pack_q4(q.to(torch.uint8), scale, low)
+    linear = native.NativeLinear(kind=native.Q4, n=n, k=k, weight=packed[0].data_ptr(), scales=packed[1].data_ptr(),
                            lows=packed[2].data_ptr(), bias=None)
     x = torch.randn(tokens, k)
     a8, sa = _q8_activation(x)
@@ -58,7 +59,7 @@ def test_q8_head_matches_int8_groups(tokens):
     torch.manual_seed(1)
     n, k = 64, 64
     weight = torch.randn(n, k)
-    kernel = fused.NativeHeadKernel("q8")
+    kernel = native.NativeHeadKernel("q8")
     prepared = kernel.prepare(weight)
     x = torch.randn(tokens, k)
     groups = weight.reshape(n, -1, 32)
@@ -75,18 +76,18 @@ def test_q8_head_matches_int8_groups(tokens):
     assert kernel(torch.randn(kernel.max_rows + 1, k), prepared, None) is NotImplemented
 
 
-@pytest.mark.skipif(not fused.LIBRARY.require().fused_decode_caps() & 2, reason="no AVX512-BF16")
+@pytest.mark.skipif(not native.LIBRARY.require().fused_decode_caps() & 2, reason="no AVX512-BF16")
 @pytest.mark.parametrize("tokens", [1, 4, 6, 8, 13, 64])
 def test_bf16_matmul_matches_bf16_operands(tokens):
     torch.manual_seed(2)
     n, k = 32, 64
     weight = torch.randn(n, k)
-    packed = fused.pack_bf16(weight)
-    linear = fused._Linear(kind=fused.BF16, n=n, k=k, weight=packed.data_ptr())
+    packed = native.pack_bf16(weight)
+    linear = native.NativeLinear(kind=native.BF16, n=n, k=k, weight=packed.data_ptr())
     x = torch.randn(tokens, k)
     expected = x.bfloat16().float() @ weight.bfloat16().float().t()
     torch.testing.assert_close(_run(linear, x), expected, rtol=1e-5, atol=1e-5)
-    head = fused.NativeHeadKernel("bf16")
+    head = native.NativeHeadKernel("bf16")
     torch.testing.assert_close(head(x.bfloat16(), head.prepare(weight.bfloat16()), None), expected,
                                rtol=1e-5, atol=1e-5)
     # Batches of 8+ rows take the two-block tiles: every row bit-identical to the row alone.
@@ -117,14 +118,19 @@ def _decode_both_ways(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.
     ("llama", {}), ("llama", {"vocab_size": 1024, "tie_word_embeddings": True}), ("mistral", {"sliding_window": 8}),
     ("qwen2", {}), ("qwen3", {}),
 ])
-@pytest.mark.parametrize("mode", ["int4", "bfloat16"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "bfloat16"])
 def test_fused_step_agrees_with_the_eager_model(kind, overrides, mode, tmp_path):
-    if mode == "bfloat16" and not fused.LIBRARY.require().fused_decode_caps() & 2:
+    """int8: every linear in S8 (its int8 per-channel weights, activations per 32 inputs where the
+    eager path quantizes per token)."""
+    if mode == "bfloat16" and not native.LIBRARY.require().fused_decode_caps() & 2:
         pytest.skip("no AVX512-BF16")
     save_tiny_checkpoint(kind, str(tmp_path), **overrides)
-    kwargs = dict(quantization="int4", kv_cache_dtype="bfloat16") if mode == "int4" else dict(dtype="bfloat16")
+    kwargs = (dict(dtype="bfloat16") if mode == "bfloat16"
+              else dict(quantization=mode, kv_cache_dtype="bfloat16"))
     llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, generation_config="none", **kwargs)
     prompt = torch.randint(10, 1000, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    if mode == "int8":
+        assert llm.engine.runner.forward.fused_step._layers[0].qkv.kind == native.S8
     fused_out, eager_out = _decode_both_ways(llm, prompt)
     cosine = torch.nn.functional.cosine_similarity(fused_out, eager_out, dim=-1)
     assert cosine.min() > 0.995, cosine
@@ -141,7 +147,7 @@ def test_batched_fused_step_equals_one_at_a_time(tmp_path, mode, lengths):
     the per-token loops on all threads and, in bf16, the two-block GEMM tiles)."""
     from tokenmill.attention_backends.interface import build_metadata
 
-    if mode.get("dtype") == "bfloat16" and not fused.LIBRARY.require().fused_decode_caps() & 2:
+    if mode.get("dtype") == "bfloat16" and not native.LIBRARY.require().fused_decode_caps() & 2:
         pytest.skip("no AVX512-BF16")
     save_tiny_checkpoint("llama", str(tmp_path))
     llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, generation_config="none", **mode)
@@ -183,7 +189,7 @@ def test_batched_fused_step_equals_one_at_a_time(tmp_path, mode, lengths):
 def test_s8_matmul_is_the_integer_product_per_32_inputs(rows):
     """S8: activations to int8 per 32 inputs, int8 weights per output row; equals that product
     computed in float64, and a row's result does not depend on the rows beside it."""
-    if not fused.LIBRARY.require().fused_decode_caps() & 1:
+    if not native.LIBRARY.require().fused_decode_caps() & 1:
         pytest.skip("no AVX512-VNNI")
     g = torch.Generator().manual_seed(7)
     n, k = 96, 160
@@ -191,16 +197,16 @@ def test_s8_matmul_is_the_integer_product_per_32_inputs(rows):
     scale = torch.rand(n, generator=g) / 100
     bias = torch.randn(n, generator=g)
     x = torch.randn(rows, k, generator=g) * torch.linspace(0.1, 30, k)     # a few large channels
-    weight = fused.pack_s8_weight(q, scale)
-    y = fused.matmul_s8(x, weight, bias)
+    weight = native.pack_s8_weight(q, scale)
+    y = native.matmul_s8(x, weight, bias)
     groups = x.double().reshape(rows, k // 32, 32)
     sa = groups.abs().amax(dim=-1, keepdim=True) / 127
     a8 = torch.round(groups / sa)
     dots = torch.einsum("rgi,ngi->rng", a8, q.double().reshape(n, k // 32, 32))
     ref = (dots * sa.squeeze(-1)[:, None, :]).sum(-1) * scale.double() + bias.double()
     assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(fused.matmul_s8(x[-1:], weight, bias), y[-1:])
-    assert fused.pack_s8_weight(q[:90], scale[:90]) is None          # rows outside blocks of 16
+    assert torch.equal(native.matmul_s8(x[-1:], weight, bias), y[-1:])
+    assert native.pack_s8_weight(q[:90], scale[:90]) is None          # rows outside blocks of 16
 
 
 def test_falls_back_to_eager_and_says_why(tmp_path, caplog):

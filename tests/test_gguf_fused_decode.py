@@ -20,10 +20,10 @@ from model_helpers import tiny_tokenizer
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.loaders.resident import resident_weight_bytes
-from tokenmill.platforms import cpu_fused_decode as fused
+from tokenmill.platforms import cpu_decode_kernels as native
 from tokenmill.platforms.cpu_gguf_kernels import available as kernels_available
 
-pytestmark = pytest.mark.skipif(kernels_available() is not None or fused.NativeHeadKernel.available() is not None,
+pytestmark = pytest.mark.skipif(kernels_available() is not None or native.NativeHeadKernel.available() is not None,
                                 reason="no native GGUF / fused decode kernels here")
 
 DIMS = dict(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=1024)

@@ -45,34 +45,41 @@ inline uint16_t round_bf16(float x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Key block b (kKeys keys) of KV head g of one prompt of tk keys into the kernel's layouts: K as
+// [d/2][16][2] pairs, V as key pairs [d][2]; kp/vp point at the prompt's packed heads.
+inline void pack_kv_block(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int64_t tk,
+                          int64_t d, int64_t g, int64_t b, uint16_t* kp, uint16_t* vp) {
+  const int64_t blocks = (tk + kKeys - 1) / kKeys, pairs = (tk + 1) / 2;
+  const int64_t head = blocks * kKeys * d;
+  uint16_t* dst = kp + g * head + b * kKeys * d;
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t t = b * kKeys + j;
+    for (int64_t p = 0; p < d / 2; ++p) {
+      uint16_t lo = 0, hi = 0;
+      if (t < tk) {
+        lo = k[t * k_stride + g * d + 2 * p];
+        hi = k[t * k_stride + g * d + 2 * p + 1];
+      }
+      dst[(p * kKeys + j) * 2] = lo;
+      dst[(p * kKeys + j) * 2 + 1] = hi;
+    }
+  }
+  for (int64_t jp = b * kKeys / 2; jp < std::min(pairs, (b + 1) * kKeys / 2); ++jp) {
+    uint16_t* row = vp + g * head + jp * 2 * d;
+    for (int64_t c = 0; c < d; ++c) {
+      row[2 * c] = v[(2 * jp) * v_stride + g * d + c];
+      row[2 * c + 1] = 2 * jp + 1 < tk ? v[(2 * jp + 1) * v_stride + g * d + c] : 0;
+    }
+  }
+}
+
 void pack_kv(const uint16_t* k, int64_t k_stride, const uint16_t* v, int64_t v_stride, int64_t tk, int64_t num_kv_heads, int64_t d,
              uint16_t* kp, uint16_t* vp) {
-  const int64_t blocks = (tk + kKeys - 1) / kKeys, pairs = (tk + 1) / 2;
-  const int64_t k_head = blocks * kKeys * d, v_head = blocks * kKeys * d;
+  const int64_t blocks = (tk + kKeys - 1) / kKeys;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t g = 0; g < num_kv_heads; ++g)
-    for (int64_t b = 0; b < blocks; ++b) {
-      uint16_t* dst = kp + g * k_head + b * kKeys * d;           // [d/2][16][2]
-      for (int64_t j = 0; j < kKeys; ++j) {
-        const int64_t t = b * kKeys + j;
-        for (int64_t p = 0; p < d / 2; ++p) {
-          uint16_t lo = 0, hi = 0;
-          if (t < tk) {
-            lo = k[t * k_stride + g * d + 2 * p];
-            hi = k[t * k_stride + g * d + 2 * p + 1];
-          }
-          dst[(p * kKeys + j) * 2] = lo;
-          dst[(p * kKeys + j) * 2 + 1] = hi;
-        }
-      }
-      for (int64_t jp = b * kKeys / 2; jp < std::min(pairs, (b + 1) * kKeys / 2); ++jp) {
-        uint16_t* row = vp + g * v_head + jp * 2 * d;              // [d][2]
-        for (int64_t c = 0; c < d; ++c) {
-          row[2 * c] = v[(2 * jp) * v_stride + g * d + c];
-          row[2 * c + 1] = 2 * jp + 1 < tk ? v[(2 * jp + 1) * v_stride + g * d + c] : 0;
-        }
-      }
-    }
+    for (int64_t b = 0; b < blocks; ++b)
+      pack_kv_block(k, k_stride, v, v_stride, tk, d, g, b, kp, vp);
 }
 
 template <int D>
@@ -220,9 +227,19 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
   vp.assign(packed[batch], 0);
   uint16_t* kpd = kp.data();
   uint16_t* vpd = vp.data();
+  // Every prompt's (head, key block) in one parallel region: a wake-up of the threads per prompt
+  // costs more than packing a short prompt.
+  std::vector<int64_t> first_block(batch + 1, 0);
   for (int64_t p = 0; p < batch; ++p)
-    pack_kv(k + starts[p] * k_stride, k_stride, v + starts[p] * v_stride, v_stride, starts[p + 1] - starts[p],
-            num_kv_heads, D, kpd + packed[p], vpd + packed[p]);
+    first_block[p + 1] = first_block[p] + num_kv_heads * ((starts[p + 1] - starts[p] + kKeys - 1) / kKeys);
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < first_block[batch]; ++item) {
+    const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), item) - first_block.begin() - 1;
+    const int64_t len = starts[p + 1] - starts[p], blocks = (len + kKeys - 1) / kKeys;
+    const int64_t local = item - first_block[p];
+    pack_kv_block(k + starts[p] * k_stride, k_stride, v + starts[p] * v_stride, v_stride, len, D, local / blocks,
+                  local % blocks, kpd + packed[p], vpd + packed[p]);
+  }
   const int64_t items = first_item[batch];
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < items; ++item) {
