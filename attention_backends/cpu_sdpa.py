@@ -14,7 +14,8 @@ causal mask in both cases.
 
 Where the native kernels build, decodes read their blocks in place (cpu_paged_decode) and bf16
 prompt attention runs on AVX512-BF16 dot products (cpu_flash_prefill; also for float32
-activations over a bf16 cache, only the query rounded). Decodes, and runs of prompt chunks of
+activations over a bf16 cache, only the query rounded), or on torch's flash kernel in bf16 where
+the CPU has AMX (its tiles beat those dot products 4x). Decodes, and runs of prompt chunks of
 one length, whose tables start with the same cached blocks attend to that prefix once for all
 their queries (cascade), merged with their own part by log-sum-exp.
 
@@ -292,9 +293,14 @@ class CpuSdpaAttention(AttentionBackend):
         widen = q.dtype == torch.float32
         if widen:
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        if self.logits_soft_cap or self.sliding_window is not None or not cpu_flash_prefill.covers(q, k, v):
+        if self.logits_soft_cap or self.sliding_window is not None:
             return None
-        out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse)
+        if cpu_flash_prefill.torch_kernel_is_faster():
+            out = cpu_flash_prefill.torch_flash(q, k, v, self.scale, q_offset, causal, return_lse)
+        elif cpu_flash_prefill.covers(q, k, v):
+            out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse)
+        else:
+            return None
         if not widen:
             return out
         return (out[0].float(), out[1]) if return_lse else out.float()
@@ -307,9 +313,12 @@ class CpuSdpaAttention(AttentionBackend):
         widen = q.dtype == torch.float32
         if widen:
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        if not cpu_flash_prefill.covers(q, k, v):
+        if cpu_flash_prefill.torch_kernel_is_faster():
+            out = cpu_flash_prefill.torch_flash_batch(q, k, v, self.scale, starts, causal, return_lse)
+        elif cpu_flash_prefill.covers(q, k, v):
+            out = cpu_flash_prefill.flash_prefill_batch(q, k, v, self.scale, starts, causal, return_lse)
+        else:
             return None
-        out = cpu_flash_prefill.flash_prefill_batch(q, k, v, self.scale, starts, causal, return_lse)
         if not widen:
             return out
         return (out[0].float(), out[1]) if return_lse else out.float()

@@ -45,6 +45,10 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# Steps of this many tokens and more skip the fused step on AMX hosts (CpuPlatform.graph_capture).
+AMX_EAGER_FROM_TOKENS = 16
+
+
 def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
@@ -134,15 +138,20 @@ class CpuPlatform(Platform):
                          else "bf16" if config.model.dtype == "bfloat16" and not quantization else None)
         if config.device.enforce_eager or choice == "none":
             return GraphCapture()
+        # With AMX, oneDNN's bf16 tiles beat the fused step's AVX512-BF16 GEMMs from 16 rows on
+        # (3072 x 576: 419 vs 220 GFLOP/s at 16 rows, 1063 vs 225 at 64; W1 640 vs 460 output
+        # tok/s): larger bf16 steps run eagerly. int4/int8 keep S8 (W1 707 fused vs 568 eager).
+        eager_from = AMX_EAGER_FROM_TOKENS if cpu_has_amx() and weight_format == "bf16" else None
         if choice is None:
-            return FusedDecodeCapture(weight_format) if weight_format and not disabled() else GraphCapture()
+            return (FusedDecodeCapture(weight_format, eager_from) if weight_format and not disabled()
+                    else GraphCapture())
         if choice == "torch.compile":
             return TorchCompileCapture()
         if choice == "fused_decode":
             if weight_format is None:
                 raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' or dtype 'bfloat16' "
                                  "on the cpu platform (float32 runs eagerly, matching transformers)")
-            return FusedDecodeCapture(weight_format)
+            return FusedDecodeCapture(weight_format, eager_from)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
                          f"(offers {self.graph_capture_strategies()})")
 
@@ -197,8 +206,9 @@ class CpuPlatform(Platform):
             return {}
         if (fused and config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16
                 and NativeHeadKernel.available("bf16") is None):
-            # The decode step's head in the fused step's bf16 form (the weights are bf16 already).
-            return {"lm_head": NativeHeadKernel("bf16")}
+            # The decode step's head in the fused step's bf16 form (the weights are bf16 already);
+            # with AMX only below AMX_EAGER_FROM_TOKENS rows, where oneDNN's tiles do not win yet.
+            return {"lm_head": NativeHeadKernel("bf16", AMX_EAGER_FROM_TOKENS - 1 if cpu_has_amx() else None)}
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):
@@ -244,6 +254,9 @@ class CpuPlatform(Platform):
         if name == "int4":
             from . import cpu_decode_kernels as native
 
+            # With AMX, torch._int_mm's tiles beat S8 at the GEMM (2048 x 3072 x 576: 2160 vs 665
+            # GOP/s) but not end to end (W1 707 vs 681 output tok/s, W4 1428 vs 1427 total: the
+            # step's float32 elementwise work dominates there), so S8 everywhere.
             if native.NativeHeadKernel.available("q8") is None:
                 # Batches in S8 (int8 per-channel weights, activations per 32 inputs, one native
                 # call): 2048 x 3072 x 576 in 6.0 ms vs 8.6 for torch._int_mm with its quantize,

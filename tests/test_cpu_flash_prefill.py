@@ -1,4 +1,5 @@
-"""The bf16 prompt-attention kernel (attention_backends/csrc/flash_prefill.cpp) against float64."""
+"""The bf16 prompt-attention kernels against float64: the native one (attention_backends/csrc/
+flash_prefill.cpp) and the same contract on torch's flash kernel (what AMX hosts run)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,9 @@ import torch
 
 from tokenmill.attention_backends import cpu_flash_prefill
 
-pytestmark = pytest.mark.skipif(cpu_flash_prefill.available() is not None, reason=str(cpu_flash_prefill.available()))
+native_only = pytest.mark.skipif(cpu_flash_prefill.available() is not None, reason=str(cpu_flash_prefill.available()))
+KERNELS = {"native": (cpu_flash_prefill.flash_prefill, cpu_flash_prefill.flash_prefill_batch),
+           "torch": (cpu_flash_prefill.torch_flash, cpu_flash_prefill.torch_flash_batch)}
 
 
 def _reference(q, k, v, scale, q_offset, causal):
@@ -21,18 +24,26 @@ def _reference(q, k, v, scale, q_offset, causal):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv), scores.logsumexp(-1)
 
 
+def _kernel(name: str, batch: bool = False):
+    if name == "native" and cpu_flash_prefill.available() is not None:
+        pytest.skip(str(cpu_flash_prefill.available()))
+    return KERNELS[name][int(batch)]
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 4, 64), (8, 2, 128)])
 @pytest.mark.parametrize("tq,tk,causal", [(37, 37, True), (16, 16, True), (20, 53, True), (5, 300, False),
                                           (130, 130, True)])
-def test_flash_prefill_matches_float64(heads, kv_heads, head_size, tq, tk, causal):
+def test_flash_prefill_matches_float64(kernel, heads, kv_heads, head_size, tq, tk, causal):
     """Fresh prompts (tq = tk), chunks after cached context (tq < tk, causal offset), a shared
     prefix seen whole (non-causal), lengths off the 16-key blocks and 8-row tiles."""
+    flash_prefill = _kernel(kernel)
     torch.manual_seed(tq + tk)
     q = torch.randn(tq, heads, head_size).bfloat16()
     k = torch.randn(tk, kv_heads, head_size).bfloat16()
     v = torch.randn(tk, kv_heads, head_size).bfloat16()
     offset = tk - tq if causal else 0
-    out, lse = cpu_flash_prefill.flash_prefill(q, k, v, head_size ** -0.5, offset, causal, return_lse=True)
+    out, lse = flash_prefill(q, k, v, head_size ** -0.5, offset, causal, return_lse=True)
     ref, ref_lse = _reference(q, k, v, head_size ** -0.5, offset, causal)
     # bf16 output and bf16 probabilities in P.V: about 2^-8 relative
     assert (out.double() - ref).abs().max().item() < 2e-2
@@ -44,6 +55,24 @@ def test_flash_prefill_matches_float64(heads, kv_heads, head_size, tq, tk, causa
     assert (out.double() - ref).abs().max() <= 2 * (sdpa.double() - ref).abs().max() + 4e-3
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("lengths", [(24, 24, 24), (5, 40, 17, 1)])
+def test_batch_of_prompts_matches_each_alone(kernel, lengths):
+    """Prompts back to back, each attending to its own keys from position 0 (one length: one
+    batched call for torch's kernel; mixed lengths: one each), with the log-sum-exp."""
+    flash_batch = _kernel(kernel, batch=True)
+    torch.manual_seed(len(lengths))
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 64).bfloat16() for h in (9, 3, 3))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out, lse = flash_batch(q, k, v, 0.125, starts, True, return_lse=True)
+    for a, b in zip(starts.tolist(), starts.tolist()[1:]):
+        ref, ref_lse = _reference(q[a:b], k[a:b], v[a:b], 0.125, 0, True)
+        assert (out[a:b].double() - ref).abs().max().item() < 2e-2
+        assert (lse[:, a:b].double() - ref_lse).abs().max().item() < 1e-3
+
+
+@native_only
 def test_strided_query_and_bad_head_size():
     """q, k, v as slices of fused projections, each its own token stride (the model's q and k
     come from the rotated [q | k] rows, v from the [q | k | v] rows); head size 80 refused."""
