@@ -45,10 +45,6 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# Steps of this many tokens and more skip the fused step on AMX hosts (CpuPlatform.graph_capture).
-AMX_EAGER_FROM_TOKENS = 16
-
-
 def cpu_has_amx() -> bool:
     return "amx_bf16" in cpu_flags()
 
@@ -138,20 +134,15 @@ class CpuPlatform(Platform):
                          else "bf16" if config.model.dtype == "bfloat16" and not quantization else None)
         if config.device.enforce_eager or choice == "none":
             return GraphCapture()
-        # With AMX, oneDNN's bf16 tiles beat the fused step's AVX512-BF16 GEMMs from 16 rows on
-        # (3072 x 576: 419 vs 220 GFLOP/s at 16 rows, 1063 vs 225 at 64; W1 640 vs 460 output
-        # tok/s): larger bf16 steps run eagerly. int4/int8 keep S8 (W1 707 fused vs 568 eager).
-        eager_from = AMX_EAGER_FROM_TOKENS if cpu_has_amx() and weight_format == "bf16" else None
         if choice is None:
-            return (FusedDecodeCapture(weight_format, eager_from) if weight_format and not disabled()
-                    else GraphCapture())
+            return FusedDecodeCapture(weight_format) if weight_format and not disabled() else GraphCapture()
         if choice == "torch.compile":
             return TorchCompileCapture()
         if choice == "fused_decode":
             if weight_format is None:
                 raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' or dtype 'bfloat16' "
                                  "on the cpu platform (float32 runs eagerly, matching transformers)")
-            return FusedDecodeCapture(weight_format, eager_from)
+            return FusedDecodeCapture(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
                          f"(offers {self.graph_capture_strategies()})")
 
@@ -184,8 +175,10 @@ class CpuPlatform(Platform):
         """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
         when they build here (they agree with torch only to rounding, so only where exact parity
         with transformers is not promised) and the native int8 LM head for decode steps
-        (NativeHeadKernel). bf16 with AMX and fused_decode: the native bf16 LM head for decode steps. bf16 weights on a CPU without AMX: bf16 weights with fp32
-        activations for every dense matmul (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
+        (NativeHeadKernel). bf16 activations: the same norm/rope/SiLU kernels in bf16 and, with
+        fused_decode, the native bf16 LM head for decode steps. bf16 weights with fp32 activations
+        (a CPU whose bf16 GEMMs lose): bf16 weights times fp32 activations for every dense matmul
+        (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels
         from .cpu_layer_kernels import native_layer_kernels
         from .cpu_decode_kernels import NativeHeadKernel
@@ -204,11 +197,14 @@ class CpuPlatform(Platform):
         if config.model.quantization is not None:
             # awq/gptq/compressed-tensors/fp8/int8 keep their own stored weights: no dense-weight kernels.
             return {}
-        if (fused and config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16
-                and NativeHeadKernel.available("bf16") is None):
-            # The decode step's head in the fused step's bf16 form (the weights are bf16 already);
-            # with AMX only below AMX_EAGER_FROM_TOKENS rows, where oneDNN's tiles do not win yet.
-            return {"lm_head": NativeHeadKernel("bf16", AMX_EAGER_FROM_TOKENS - 1 if cpu_has_amx() else None)}
+        if config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16:
+            # bf16 activations: the native norm/rope/SiLU in bf16 (torch's roundings; a W4 prompt
+            # spent ~1.4 s of 6.7 in those torch ops) and, for decode steps, the head in the fused
+            # step's bf16 form (the weights are bf16 already).
+            kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
+            if fused and NativeHeadKernel.available("bf16") is None:
+                kernels["lm_head"] = NativeHeadKernel("bf16")
+            return kernels
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):

@@ -145,11 +145,11 @@ class NativeHeadKernel:
     logits need no conversion before sampling."""
     name = "native_head"
 
-    def __init__(self, weight_format: str, max_rows: Optional[int] = None) -> None:
+    def __init__(self, weight_format: str) -> None:
         if weight_format not in ("q8", "bf16"):
             raise ValueError(f"native head format must be 'q8' or 'bf16', got {weight_format!r}")
         self.weight_format = weight_format
-        self.max_rows = max_rows if max_rows is not None else 16 if weight_format == "q8" else 256
+        self.max_rows = 16 if weight_format == "q8" else 256
 
     @staticmethod
     def available(weight_format: str = "q8") -> Optional[str]:

@@ -57,13 +57,10 @@ class FusedDecodeCapture(GraphCapture):
     name = "fused_decode"
     attention_mode = "none"     # the backend runs eagerly or through its native entry, never traced
 
-    def __init__(self, weight_format: str, eager_from_tokens: Optional[int] = None) -> None:
-        """`eager_from_tokens`: steps of that many tokens or more run the eager model (where the
-        platform's own GEMMs beat the fused step's from some batch size on: AMX tiles)."""
+    def __init__(self, weight_format: str) -> None:
         if weight_format not in WEIGHT_FORMATS:
             raise ValueError(f"fused_decode weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         self.weight_format = weight_format
-        self.eager_from_tokens = eager_from_tokens
 
     def wrap(self, forward: Callable[..., torch.Tensor], runner: Any) -> Callable[..., torch.Tensor]:
         why = self.unavailable(runner)
@@ -81,12 +78,8 @@ class FusedDecodeCapture(GraphCapture):
                     "the quantization method's packed weights in place" if self.weight_format == "native"
                     else f"{self.weight_format} weights")
 
-        eager_from = self.eager_from_tokens or MAX_FUSED_DECODES + 1
-
         def fused_or_eager(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
             tokens = input_ids.shape[0]
-            if tokens >= eager_from:
-                return forward(input_ids, positions, meta)
             if tokens <= MAX_FUSED_TOKENS or (tokens <= MAX_FUSED_DECODES and meta.num_decodes == tokens):
                 return step(input_ids, positions, meta)
             return forward(input_ids, positions, meta)

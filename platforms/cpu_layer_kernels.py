@@ -6,7 +6,8 @@ layers (core/layers/kernels.py).
 Why: after the matmuls, a one-token decode step spends its time dispatching ~45 small torch ops
 per layer; each of these replaces 3-8 of them with one call (platforms/csrc/cpu_kernels.cpp).
 Float32 results agree with the torch path to rounding, not bit for bit (summation order, exp),
-so they are used only where exact parity with transformers is not promised (quantization="int4").
+so they are used only where exact parity with transformers is not promised (quantization="int4",
+and bf16 activations under dtype=bfloat16).
 A kernel returns NotImplemented for inputs it does not cover (other dtypes, strides), and the
 layer then runs its torch code.
 """
@@ -19,6 +20,12 @@ import torch
 from . import cpu_kernels
 
 
+# bf16: float32 math rounded where torch's bf16 ops round (norm, then weight; each rotary
+# product and sum; silu, then the product), so they match the torch path to within its float32
+# reductions and exp.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _lib():
     return cpu_kernels.library()
 
@@ -28,14 +35,15 @@ class NativeRMSNorm:
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> Any:
-        if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+        if (x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
+                or not weight.is_contiguous()
+                or (residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()
                                               or residual.shape != x.shape))):
             return NotImplemented
         rows, cols = x.shape
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is not None else None
-        _lib().rms_norm_f32(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+        (_lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16)(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                             weight.data_ptr(), float(eps), out.data_ptr(),
                             new_residual.data_ptr() if new_residual is not None else None, rows, cols)
         return out if residual is None else (out, new_residual)
@@ -47,13 +55,13 @@ class NativeRotary:
     def __call__(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
         """x [T, heads, D] with heads contiguous inside each token's row (a view into the fused
         qkv output is fine) -> rotated contiguous copy."""
-        if (x.dtype != torch.float32 or cos_sin_cache.dtype != torch.float32 or x.dim() != 3
+        if (x.dtype not in KERNEL_DTYPES or cos_sin_cache.dtype != x.dtype or x.dim() != 3
                 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or not cos_sin_cache.is_contiguous()
                 or positions.dtype != torch.long or not positions.is_contiguous()):
             return NotImplemented
         tokens, heads, head_size = x.shape
         out = torch.empty((tokens, heads, head_size), dtype=x.dtype)
-        _lib().rope_f32(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
+        (_lib().rope_f32 if x.dtype == torch.float32 else _lib().rope_bf16)(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
                         out.data_ptr(), tokens, heads, head_size)
         return out
 
@@ -62,11 +70,11 @@ class NativeSiluAndMul:
     name = "native_silu_mul"
 
     def __call__(self, x: torch.Tensor) -> Any:
-        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        if x.dtype not in KERNEL_DTYPES or x.dim() != 2 or not x.is_contiguous():
             return NotImplemented
         rows, width = x.shape
         out = torch.empty((rows, width // 2), dtype=x.dtype)
-        _lib().silu_mul_f32(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        (_lib().silu_mul_f32 if x.dtype == torch.float32 else _lib().silu_mul_bf16)(x.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
 

@@ -229,35 +229,6 @@ def test_float32_stays_eager_and_refuses_fused_decode(tmp_path):
         LLM(str(tmp_path), dtype="float32", graph_capture="fused_decode", kv_cache_memory=16 << 20)
 
 
-def test_steps_from_eager_from_tokens_run_the_eager_model(tmp_path, monkeypatch):
-    """With AMX the cpu platform sends bf16 steps of 16+ tokens to the eager model (oneDNN's tiles
-    win there) and keeps int4's; the wrapper routes by the step's token count."""
-    from tokenmill.attention_backends.interface import build_metadata
-    from tokenmill.core.config import EngineConfig
-    from tokenmill.platforms import cpu
-
-    monkeypatch.setattr(cpu, "cpu_has_amx", lambda: True)
-    config = EngineConfig.from_kwargs(model="m", dtype="bfloat16")
-    assert cpu.CpuPlatform().graph_capture(config).eager_from_tokens == cpu.AMX_EAGER_FROM_TOKENS
-    config = EngineConfig.from_kwargs(model="m", quantization="int4")
-    assert cpu.CpuPlatform().graph_capture(config).eager_from_tokens is None
-
-    save_tiny_checkpoint("llama", str(tmp_path))
-    llm = LLM(str(tmp_path), quantization="int4", kv_cache_memory=16 << 20, generation_config="none")
-    runner = llm.engine.runner
-    calls = []
-    def eager(*args):
-        calls.append(args[0].shape[0])
-        return runner._forward_eager(*args)
-    wrapped = fused.FusedDecodeCapture("q4", eager_from_tokens=3).wrap(eager, runner)
-    with torch.inference_mode():
-        for rows in (2, 3):
-            meta = build_metadata([1] * rows, [5] * rows, [[i] for i in range(rows)], runner.block_size,
-                                  num_decodes=rows)
-            wrapped(torch.arange(rows) + 7, torch.full((rows,), 4), meta)
-    assert calls == [3]
-
-
 def test_several_tokens_of_one_sequence_are_rows_of_one_fused_step(tmp_path):
     """Verified drafts or a short chunk: a sequence's new tokens in one fused call give exactly
     what the fused step gives them one at a time (each row is computed on its own), and agree

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include <omp.h>
@@ -23,7 +24,7 @@
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 7; }
+int tokenmill_kernels_abi_version() { return 8; }
 
 // out = rmsnorm(x (+ residual)) * weight; with residual non-null, residual_out = x + residual.
 // Rows are contiguous; threads only for batches big enough to pay for waking them.
@@ -81,6 +82,103 @@ void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
     float* orow = out + r * inter;
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) orow[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+}
+
+// bf16 versions of the three (bf16 activations, as --dtype bfloat16 runs prompts): float32 math
+// rounded to bf16 (nearest even) wherever torch's bf16 ops round, so the results are torch's to
+// within the float32 rounding of the reductions and exp.
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+static inline uint16_t f32_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// out = round(round(norm(s)) * weight), s = x or round(x + residual) (also written to residual_out).
+void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, float eps, uint16_t* out,
+                   uint16_t* residual_out, int64_t rows, int64_t cols) {
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> buffer(cols);
+    float* __restrict src = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* xr = x + r * cols;
+      if (residual) {
+        const uint16_t* res = residual + r * cols;
+        uint16_t* rr = residual_out + r * cols;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint16_t sum = f32_to_bf16(bf16_to_f32(xr[c]) + bf16_to_f32(res[c]));
+          rr[c] = sum;
+          src[c] = bf16_to_f32(sum);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) src[c] = bf16_to_f32(xr[c]);
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t c = 0; c < cols; ++c) ss += src[c] * src[c];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
+      uint16_t* orow = out + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(round_bf16(src[c] * inv) * bf16_to_f32(weight[c]));
+    }
+  }
+}
+
+// rope_f32's rotation, each product and sum rounded as torch's bf16 ops round them.
+void rope_bf16(const uint16_t* x, int64_t x_row_stride, const uint16_t* cos_sin, const int64_t* positions,
+               uint16_t* out, int64_t tokens, int64_t heads, int64_t head_size) {
+  const int64_t half = head_size / 2;
+#pragma omp parallel for schedule(static) if (tokens >= 16)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* cs = cos_sin + positions[t] * head_size;
+    const uint16_t* sn = cs + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* xh = x + t * x_row_stride + h * head_size;
+      uint16_t* oh = out + (t * heads + h) * head_size;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
+        const float c = bf16_to_f32(cs[i]), s = bf16_to_f32(sn[i]);
+        oh[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
+        oh[half + i] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+      }
+    }
+  }
+}
+
+// out = round(round(silu(gate)) * up). Through a float buffer of a row at a time, so the exp
+// loop vectorizes (glibc's vector expf) without the bf16 conversions in it.
+void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> buffer(inter);
+    float* __restrict g = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* gate = x + r * 2 * inter;
+      const uint16_t* up = gate + inter;
+      uint16_t* orow = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_bf16(g[i]) * bf16_to_f32(up[i]));
+    }
   }
 }
 
