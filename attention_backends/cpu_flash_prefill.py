@@ -48,12 +48,15 @@ def available() -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def torch_kernel_is_faster() -> bool:
-    """Whether torch's own CPU flash attention beats this kernel here: with AMX it multiplies its
-    bf16 blocks on AMX tiles (brgemm). A 2048-token causal SmolLM2 prompt (9/3 heads of 64, 2
-    threads) took 9.5 ms there against 44 ms for this kernel's AVX512-BF16 dot products (Xeon
-    with AMX, 2026-12-02); without AMX torch's took 42 ms against this kernel's 13.8 (AMD EPYC)."""
+    """Whether torch's own CPU flash attention beats this kernel here: on a CPU with AMX tiles
+    that this build cannot use (torch's brgemm multiplies its bf16 blocks on them). A 2048-token
+    causal SmolLM2 prompt (9/3 heads of 64, 2 threads) on a Xeon with AMX: torch 9.5 ms, this
+    kernel 44 ms on AVX512-BF16 dot products, 7.0 ms on AMX tiles; on an AMD EPYC without AMX:
+    torch 42 ms, this kernel 13.8 (2026-12-02)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
+    if probe is None or not probe():
+        return False
+    return available() is not None or LIBRARY.require().flash_prefill_available() != 3
 
 
 def torch_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int, causal: bool,

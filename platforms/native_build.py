@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -63,6 +64,13 @@ def _compiler() -> Optional[str]:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def _local_includes(source: Path) -> list[bytes]:
+    """The bytes of the headers `source` includes with quotes (relative to its directory), so a
+    change to a shared header rebuilds every library that includes it."""
+    found = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), flags=re.MULTILINE)
+    return [(source.parent / name.decode()).read_bytes() for name in found]
 
 
 def _build(compiler: str, source: Path, target: Path) -> None:
@@ -127,8 +135,8 @@ class NativeLibrary:
             logger.warning("native kernels of %s unavailable: %s; using the torch path", self.source.name, failure)
             return None, failure
         key = hashlib.sha256()
-        for part in (self.source.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
-                     compiler.encode(), _cpu_flags().encode()):
+        for part in (self.source.read_bytes(), *_local_includes(self.source),
+                     " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), compiler.encode(), _cpu_flags().encode()):
             key.update(part)
         name = f"{self.source.stem}-{key.hexdigest()[:16]}.so"
         try:

@@ -41,8 +41,7 @@
 
 #include <omp.h>
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -406,20 +405,7 @@ inline void bf16_block2(const FusedLinear& w, int64_t b, const QuantizedInput& i
 // not depend on its batch.
 constexpr int64_t kAmxTokens = 1;
 
-struct alignas(64) TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out the AMX register state only on request, once per process.
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kRequestPermission = 0x1023, kTileData = 18;   // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  }();
-  return ok;
-}
+using tokenmill_amx::amx_ready;
 
 // Output tile (token tile t0, block b) from tile register C: straight into y when all 16 tokens
 // are real, else through a scratch tile (the padding rows are dropped). A macro: gcc's tile
@@ -479,13 +465,7 @@ bool amx_bf16_matmul(const FusedLinear& w, QuantizedInput& in, int64_t tokens, f
   const int64_t block_pairs = (blocks + 1) / 2, tile_pairs = (tiles + 1) / 2;
 #pragma omp parallel
   {
-    TileConfig config = {};
-    config.palette = 1;
-    for (int i = 0; i < 8; ++i) {
-      config.colsb[i] = 64;
-      config.rows[i] = 16;
-    }
-    _tile_loadconfig(&config);
+    tokenmill_amx::configure_tiles();
     alignas(64) float scratch[16 * 16];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < block_pairs * tile_pairs; ++item) {
