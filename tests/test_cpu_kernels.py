@@ -97,7 +97,15 @@ def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, sh
     flat = cache.view(2, -1, kv_heads, head_size)
     assert torch.equal(flat[0, slots], k.to(kv_dtype)) and torch.equal(flat[1, slots], v.to(kv_dtype))
     ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
-    assert (out.double() - ref).abs().max().item() < 1e-5
+    # A bf16 cache's shared prefix runs on AMX tiles where the CPU has them, with the query and
+    # the probabilities in bf16 as the prompt kernels have them (2^-8 relative).
+    on_tiles = kv_dtype == torch.bfloat16 and shared_blocks >= 9 and _amx()
+    assert (out.double() - ref).abs().max().item() < (4e-3 if on_tiles else 1e-5)
+
+
+def _amx() -> bool:
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
