@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .sampler import _GREEDY_EPS, Sampler, SamplerOutput, SamplingRow, _inverse_cdf
+from .sampler import _GREEDY_EPS, Sampler, SamplerOutput, SamplingRow, _inverse_cdf, greedy_tokens
 from .structured import apply_grammar_masks
 
 _PROCESSOR = Sampler()      # for its (stateless) logit processing
@@ -80,7 +80,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
     greedy = [i for i, row in enumerate(rows) if is_greedy(row)]
     rand = [i for i, row in enumerate(rows) if not is_greedy(row)]
     if greedy:
-        for i, t in zip(greedy, processed[greedy].argmax(dim=-1).tolist()):
+        for i, t in zip(greedy, greedy_tokens(processed[greedy])):
             tokens[i] = t
     q: dict[int, torch.Tensor] = {}
     if rand:
