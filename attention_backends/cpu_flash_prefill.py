@@ -3,9 +3,11 @@
 A flash-attention kernel for bf16 queries and keys/values: float32 scores and accumulators, the
 probabilities rounded to bf16 for P.V. torch's CPU flash kernel runs a 2048-token SmolLM2
 prompt's attention at ~120 GFLOP/s on a 2-core AVX512-BF16 host (60 % of the prompt's time);
-this one reads K and V in the pair layouts the bf16 dot product takes. Built on first use by
-platforms/native_build.py; TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without
-AVX512-BF16 leaves cpu_sdpa on torch's SDPA.
+this one reads K and V in the pair layouts the bf16 dot product takes, and on a CPU with AMX
+multiplies them as tiles (csrc/flash_tiles.h). Built on first use by platforms/native_build.py;
+TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without AVX512-BF16 leaves cpu_sdpa on
+torch's SDPA. `torch_flash`/`torch_flash_batch`: the same contract on torch's flash kernel, for
+a CPU whose AMX tiles this build cannot use (`torch_kernel_is_faster`).
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ causal mask in both cases.
 
 Where the native kernels build, decodes read their blocks in place (cpu_paged_decode) and bf16
 prompt attention runs on AVX512-BF16 dot products (cpu_flash_prefill; also for float32
-activations over a bf16 cache, only the query rounded), or on torch's flash kernel in bf16 where
-the CPU has AMX (its tiles beat those dot products 4x). Decodes, and runs of prompt chunks of
+activations over a bf16 cache, only the query rounded), on AMX tiles where the CPU has them
+(torch's flash kernel where it has them but this build cannot use them). Decodes, and runs of prompt chunks of
 one length, whose tables start with the same cached blocks attend to that prefix once for all
 their queries (cascade), merged with their own part by log-sum-exp.
 
