@@ -20,7 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .sampler import _GREEDY_EPS, Sampler, SamplerOutput, SamplingRow, _inverse_cdf, greedy_tokens
+from .draw import greedy_tokens, inverse_cdf
+from .sampler import _GREEDY_EPS, Sampler, SamplerOutput, SamplingRow
 from .structured import apply_grammar_masks
 
 _PROCESSOR = Sampler()      # for its (stateless) logit processing
@@ -86,7 +87,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
     if rand:
         sub_rows = [rows[i] for i in rand]
         probs = probabilities(processed[rand], sub_rows)
-        picks = _inverse_cdf(probs, sampler._uniforms(sub_rows)).tolist()
+        picks = inverse_cdf(probs, sampler._uniforms(sub_rows)).tolist()
         for j, i in enumerate(rand):
             tokens[i] = picks[j]
             q[i] = probs[j]
@@ -135,7 +136,7 @@ def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], groups: Sequence[t
         last_rows.append(s + m)
         final_u.append(s + len(drafts))      # the one uniform no acceptance test used
         at += len(drafts)
-    picks = _inverse_cdf(torch.stack(finals), u[final_u]).tolist()
+    picks = inverse_cdf(torch.stack(finals), u[final_u]).tolist()
     tokens: list[int] = []
     for (drafts, _), s, row, pick in zip(groups, starts, last_rows, picks):
         own = list(drafts) + [pick]
