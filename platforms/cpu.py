@@ -181,7 +181,7 @@ class CpuPlatform(Platform):
         (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels
         from .cpu_layer_kernels import native_layer_kernels
-        from .cpu_decode_kernels import NativeHeadKernel
+        from .cpu_decode_kernels import NativeBf16Linear, NativeHeadKernel
         from .cpu_fused_decode import FusedDecodeCapture
         from .cpu_linear import Bf16WeightLinear
 
@@ -204,6 +204,10 @@ class CpuPlatform(Platform):
             kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
             if fused and NativeHeadKernel.available("bf16") is None:
                 kernels["lm_head"] = NativeHeadKernel("bf16")
+            if NativeBf16Linear.available() is None:
+                # AMX tiles for the eager steps' smaller matmuls; the fused step reads the same
+                # packed weights instead of packing its own copy.
+                kernels["linear"] = NativeBf16Linear()
             return kernels
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32

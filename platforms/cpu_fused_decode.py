@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .interface import DecoderStackSpec, GraphCapture
-from .cpu_decode_kernels import (BF16, LIBRARY, Q4, ROWS, S8Weight, NativeLayer, NativeLinear, NativeModel, pack_bf16, pack_q4,
-                                 pack_s8, pack_s8_weight, s8_linear)
+from .cpu_decode_kernels import (BF16, LIBRARY, Q4, ROWS, PackedBf16, S8Weight, NativeLayer, NativeLinear, NativeModel,
+                                 pack_bf16, pack_q4, pack_s8, pack_s8_weight, s8_linear)
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
 
@@ -229,7 +229,8 @@ class _FusedStep:
             tensors = pack_q4(*groups[:3])
             out.weight, out.scales, out.lows = (t.data_ptr() for t in tensors)
         else:
-            tensors = (pack_bf16(linear.weight.detach()),)
+            prepared = getattr(linear, "prepared", None)       # NativeBf16Linear's packed form, shared
+            tensors = (prepared.packed if isinstance(prepared, PackedBf16) else pack_bf16(linear.weight.detach()),)
             out.weight = tensors[0].data_ptr()
         self._keep.extend(tensors)
         if linear.bias is not None:

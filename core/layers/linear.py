@@ -74,6 +74,12 @@ class Linear(nn.Module):
 
     weight_loader.narrows_lazily = True       # reads only this rank's part of a lazy checkpoint slice
 
+    @property
+    def prepared(self) -> Any:
+        """The platform kernel's re-laid-out weight (None without a kernel): what another of the
+        platform's paths may read instead of packing the weight again."""
+        return self._prepared
+
     def use_kernel(self, kernel: Any) -> None:
         """Run matmuls through a platform's dense kernel on a re-laid-out copy of the loaded
         weight (e.g. platforms/cpu_linear.py; platforms offer one only without `quantization=`,
@@ -97,11 +103,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row" and self.tp_size > 1:
             bias = self.bias if self.tp_rank == 0 else None      # added once, before the sum
-            out = self._kernel(x, self._prepared, bias) if self._kernel is not None else \
-                self.quant_method.apply(self, x, bias)
-            return all_reduce(out)
-        if self._kernel is not None:
-            y = self._kernel(x, self._prepared, self.bias)
-        else:
-            y = self.quant_method.apply(self, x, self.bias)
+            return all_reduce(self._matmul(x, bias))
+        y = self._matmul(x, self.bias)
         return y if self.lora is None else self.lora(x, y)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self._kernel is not None:
+            y = self._kernel(x, self._prepared, bias)
+            if y is not NotImplemented:        # a kernel may leave some inputs to the method
+                return y
+        return self.quant_method.apply(self, x, bias)

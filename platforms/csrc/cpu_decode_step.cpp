@@ -407,28 +407,55 @@ constexpr int64_t kAmxTokens = 1;
 
 using tokenmill_amx::amx_ready;
 
+// Where a matmul's activation tiles come from and where its output tiles go. Activations: bf16
+// rows, `k` inputs each; a tile starting at or past `tail_start` reads `tail` (the last partial
+// tile, zero-padded to 16 rows) so the rows need no copy. Output: float32 rows into y (the fused
+// step) or bf16 rows into y_bf16 with the bias added first (the eager bf16 linears).
+struct AmxOperands {
+  const uint8_t* rows;
+  const uint8_t* tail;
+  int64_t tail_start, tokens;
+  float* y;
+  uint16_t* y_bf16;
+  const float* bias;
+  const uint8_t* tile(int64_t t0, int64_t stride) const {
+    return t0 >= tail_start ? tail + (t0 - tail_start) * stride : rows + t0 * stride;
+  }
+};
+
 // Output tile (token tile t0, block b) from tile register C: straight into y when all 16 tokens
-// are real, else through a scratch tile (the padding rows are dropped). A macro: gcc's tile
-// intrinsics take the register number as a literal.
+// are real and y is float32, else through a scratch tile (padding rows dropped; bias added and
+// rounded to nearest even for bf16 output, as torch rounds). A macro: gcc's tile intrinsics take
+// the register number as a literal.
 #define TM_AMX_STORE(C, t0_, b_)                                                              \
   do {                                                                                        \
     const int64_t first = (t0_), block = (b_);                                                \
-    if (first + 16 <= tokens) {                                                               \
-      _tile_stored(C, y + first * w.n + block * kRows, w.n * 4);                              \
+    if (!op.y_bf16 && first + 16 <= op.tokens) {                                              \
+      _tile_stored(C, op.y + first * w.n + block * kRows, w.n * 4);                           \
     } else {                                                                                  \
       _tile_stored(C, scratch, 64);                                                           \
-      for (int64_t t = first; t < tokens; ++t)                                                \
-        std::memcpy(y + t * w.n + block * kRows, scratch + (t - first) * 16, 64);             \
+      const int64_t last = std::min(first + 16, op.tokens);                                   \
+      if (op.y_bf16) {                                                                        \
+        const __m512 bias = op.bias ? _mm512_loadu_ps(op.bias + block * kRows) : _mm512_setzero_ps(); \
+        for (int64_t t = first; t < last; ++t) {                                              \
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + (t - first) * 16), bias);   \
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(op.y_bf16 + t * w.n + block * kRows),  \
+                              (__m256i)_mm512_cvtneps_pbh(v));                                \
+        }                                                                                     \
+      } else {                                                                                \
+        for (int64_t t = first; t < last; ++t)                                                \
+          std::memcpy(op.y + t * w.n + block * kRows, scratch + (t - first) * 16, 64);        \
+      }                                                                                       \
     }                                                                                         \
   } while (0)
 
 // Up to 2 blocks x 2 token tiles: tiles 0-3 accumulate, 4-5 hold activations, 6-7 weights.
 template <bool TwoBlocks, bool TwoTiles>
-inline void amx_bf16_item(const FusedLinear& w, const uint8_t* a, int64_t b, int64_t t0, int64_t tokens, float* y,
-                          float* scratch) {
+inline void amx_bf16_item(const FusedLinear& w, const AmxOperands& op, int64_t b, int64_t t0, float* scratch) {
   const int64_t a_stride = w.k * 2, chunks = w.k / 32, block_bytes = w.k * kRows * 2;
   const uint8_t* w0 = w.weight + b * block_bytes;
-  const uint8_t* a0 = a + t0 * a_stride;
+  const uint8_t* a0 = op.tile(t0, a_stride);
+  const uint8_t* a1 = TwoTiles ? op.tile(t0 + 16, a_stride) : nullptr;
   _tile_zero(0);
   if (TwoBlocks) _tile_zero(1);
   if (TwoTiles) _tile_zero(2);
@@ -442,7 +469,7 @@ inline void amx_bf16_item(const FusedLinear& w, const uint8_t* a, int64_t b, int
       _tile_dpbf16ps(1, 4, 7);
     }
     if (TwoTiles) {
-      _tile_loadd(5, a0 + 16 * a_stride + c * 64, a_stride);
+      _tile_loadd(5, a1 + c * 64, a_stride);
       _tile_dpbf16ps(2, 5, 6);
       if (TwoBlocks) _tile_dpbf16ps(3, 5, 7);
     }
@@ -454,38 +481,70 @@ inline void amx_bf16_item(const FusedLinear& w, const uint8_t* a, int64_t b, int
 }
 #undef TM_AMX_STORE
 
-// y [tokens, n] = bf16 activations (in.bf16, padded here to whole tiles of 16 tokens) x W^T.
-// Items of 2 blocks x 2 token tiles; consecutive items share their blocks (weights stay in L2).
-bool amx_bf16_matmul(const FusedLinear& w, QuantizedInput& in, int64_t tokens, float* y) {
-  if (tokens < kAmxTokens || !amx_ready()) return false;
-  const int64_t tiles = (tokens + 15) / 16, blocks = w.n / kRows;
-  in.bf16.resize(tiles * 16 * w.k);
-  std::fill(in.bf16.begin() + tokens * w.k, in.bf16.end(), 0);
-  const uint8_t* a = reinterpret_cast<const uint8_t*>(in.bf16.data());
-  const int64_t block_pairs = (blocks + 1) / 2, tile_pairs = (tiles + 1) / 2;
+// Token tiles a work item sweeps: 256 tokens of a 576-input activation are 288 KiB, so a chunk
+// stays in L2 while the item's thread walks the weight blocks (a prompt of 2048 tokens otherwise
+// streamed its whole activation once per block pair).
+constexpr int64_t kAmxChunkTiles = 16;
+
+// y = activations x W^T on tiles. Items of (chunk of token tiles, pair of blocks), chunk-major;
+// each item runs 2 blocks x 2 token tiles at a time. Every tile's sum runs over the same chunks
+// in the same order whatever the item, so a row's result does not depend on its batch.
+void amx_bf16_run(const FusedLinear& w, const AmxOperands& op) {
+  const int64_t tiles = (op.tokens + 15) / 16, blocks = w.n / kRows;
+  const int64_t block_pairs = (blocks + 1) / 2, chunks = (tiles + kAmxChunkTiles - 1) / kAmxChunkTiles;
 #pragma omp parallel
   {
     tokenmill_amx::configure_tiles();
     alignas(64) float scratch[16 * 16];
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < block_pairs * tile_pairs; ++item) {
-      const int64_t b = 2 * (item / tile_pairs), t0 = 32 * (item % tile_pairs);
-      const bool two_blocks = b + 1 < blocks, two_tiles = t0 + 16 < tiles * 16;
-      if (two_blocks && two_tiles) amx_bf16_item<true, true>(w, a, b, t0, tokens, y, scratch);
-      else if (two_blocks) amx_bf16_item<true, false>(w, a, b, t0, tokens, y, scratch);
-      else if (two_tiles) amx_bf16_item<false, true>(w, a, b, t0, tokens, y, scratch);
-      else amx_bf16_item<false, false>(w, a, b, t0, tokens, y, scratch);
+    for (int64_t item = 0; item < chunks * block_pairs; ++item) {
+      const int64_t b = 2 * (item % block_pairs), chunk = item / block_pairs;
+      const bool two_blocks = b + 1 < blocks;
+      const int64_t end = std::min(tiles, (chunk + 1) * kAmxChunkTiles);
+      for (int64_t tile = chunk * kAmxChunkTiles; tile < end; tile += 2) {
+        const int64_t t0 = 16 * tile;
+        const bool two_tiles = tile + 1 < end;
+        if (two_blocks && two_tiles) amx_bf16_item<true, true>(w, op, b, t0, scratch);
+        else if (two_blocks) amx_bf16_item<true, false>(w, op, b, t0, scratch);
+        else if (two_tiles) amx_bf16_item<false, true>(w, op, b, t0, scratch);
+        else amx_bf16_item<false, false>(w, op, b, t0, scratch);
+      }
     }
     _tile_release();
   }
+}
+
+// The fused step's matmul: y [tokens, n] float32 = bf16 activations (in.bf16, padded here to
+// whole tiles of 16 tokens) x W^T.
+bool amx_bf16_matmul(const FusedLinear& w, QuantizedInput& in, int64_t tokens, float* y) {
+  if (tokens < kAmxTokens || !amx_ready()) return false;
+  const int64_t padded = (tokens + 15) / 16 * 16;
+  in.bf16.resize(padded * w.k);
+  std::fill(in.bf16.begin() + tokens * w.k, in.bf16.end(), 0);
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(in.bf16.data());
+  amx_bf16_run(w, AmxOperands{a, a, padded, tokens, y, nullptr, nullptr});
+  return true;
+}
+
+// The eager path's bf16 linears: x [tokens, k] bf16 as torch holds it, y [tokens, n] bf16.
+bool amx_bf16_linear(const FusedLinear& w, const uint16_t* x, int64_t tokens, const float* bias, uint16_t* y) {
+  if (!amx_ready()) return false;
+  thread_local std::vector<uint16_t> tail;
+  const int64_t tail_start = tokens / 16 * 16, tail_rows = tokens - tail_start;
+  tail.assign(16 * w.k, 0);
+  std::memcpy(tail.data(), x + tail_start * w.k, tail_rows * w.k * sizeof(uint16_t));
+  amx_bf16_run(w, AmxOperands{reinterpret_cast<const uint8_t*>(x), reinterpret_cast<const uint8_t*>(tail.data()),
+                              tail_start, tokens, nullptr, y, bias});
   return true;
 }
 #else
 bool amx_bf16_matmul(const FusedLinear&, QuantizedInput&, int64_t, float*) { return false; }
+bool amx_bf16_linear(const FusedLinear&, const uint16_t*, int64_t, const float*, uint16_t*) { return false; }
 #endif
 #else
 constexpr bool kHasBf16 = false;
 bool amx_bf16_matmul(const FusedLinear&, QuantizedInput&, int64_t, float*) { return false; }
+bool amx_bf16_linear(const FusedLinear&, const uint16_t*, int64_t, const float*, uint16_t*) { return false; }
 template <int T>
 inline void bf16_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
 template <int T>
@@ -748,6 +807,13 @@ int64_t vnni_peak_loop(int64_t iterations) {
 void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y) {
   thread_local QuantizedInput in;
   matmul(*w, x, tokens, y, in);
+}
+
+// y [tokens, n] bf16 = x [tokens, k] bf16 times a BF16 layout (+ bias, float32 [n] or null), on
+// AMX tiles: the eager path's dense linears under dtype=bfloat16. 0 where this CPU or build has
+// no AMX (the caller keeps its own GEMM).
+int64_t bf16_linear(const FusedLinear* w, const uint16_t* x, int64_t tokens, const float* bias, uint16_t* y) {
+  return w->kind == 1 && amx_bf16_linear(*w, x, tokens, bias, y) ? 1 : 0;
 }
 
 // One decode step for `tokens` sequences, one new token each: ids/positions/slots [tokens],
