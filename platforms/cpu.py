@@ -176,7 +176,8 @@ class CpuPlatform(Platform):
         when they build here (they agree with torch only to rounding, so only where exact parity
         with transformers is not promised) and the native int8 LM head for decode steps
         (NativeHeadKernel). bf16 activations: the same norm/rope/SiLU kernels in bf16 and, with
-        fused_decode, the native bf16 LM head for decode steps. bf16 weights with fp32 activations
+        fused_decode, the native bf16 LM head for decode steps, and where AMX exists the eager
+        steps' smaller dense matmuls on its tiles (NativeBf16Linear). bf16 weights with fp32 activations
         (a CPU whose bf16 GEMMs lose): bf16 weights times fp32 activations for every dense matmul
         (Bf16WeightLinear), unless TOKENMILL_CPU_PACKED_LINEAR=0."""
         from . import cpu_kernels

@@ -170,8 +170,8 @@ class NativeHeadKernel:
             linear = NativeLinear(kind=Q8, n=n, k=k, weight=tensors[0].data_ptr(), scales=tensors[1].data_ptr(),
                              lows=tensors[2].data_ptr(), bias=None)
         else:
-            tensors = (pack_bf16(weight.detach()),)
-            linear = NativeLinear(kind=BF16, n=n, k=k, weight=tensors[0].data_ptr())
+            form = packed_bf16(weight)
+            linear, tensors = form.linear, (form.packed,)
         return linear, tensors
 
     def __call__(self, x: torch.Tensor, prepared: Any, bias: Optional[torch.Tensor]) -> Any:
@@ -190,6 +190,13 @@ class PackedBf16(NamedTuple):
     fused decode step reads the same bytes (platforms/cpu_fused_decode.py)."""
     linear: NativeLinear
     packed: torch.Tensor
+
+
+def packed_bf16(weight: torch.Tensor) -> PackedBf16:
+    """weight [N, K] (N in blocks of 16, K of 32) in the BF16 pair layout with its structure."""
+    n, k = weight.shape
+    packed = pack_bf16(weight.detach())
+    return PackedBf16(NativeLinear(kind=BF16, n=n, k=k, weight=packed.data_ptr()), packed)
 
 
 class NativeBf16Linear:
@@ -215,8 +222,7 @@ class NativeBf16Linear:
         n, k = weight.shape
         if n % ROWS or k % 32 or weight.dtype != torch.bfloat16:
             return None
-        packed = pack_bf16(weight.detach())
-        return PackedBf16(NativeLinear(kind=BF16, n=n, k=k, weight=packed.data_ptr()), packed)
+        return packed_bf16(weight)
 
     def __call__(self, x: torch.Tensor, prepared: Optional[PackedBf16], bias: Optional[torch.Tensor]) -> torch.Tensor:
         if prepared is None or x.dtype != torch.bfloat16 or x.shape[-1] != prepared.linear.k:
