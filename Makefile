@@ -46,7 +46,7 @@ system-deps:
 	else echo "note:$$missing not installed (needs root and apt-get); the tests that need them will skip"; fi
 
 test: install system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/tokenmill bench throughput --workload W1

@@ -88,3 +88,38 @@ def test_strided_query_and_bad_head_size():
     assert not cpu_flash_prefill.covers(x, x, x)
     with pytest.raises(ValueError, match="head size 80"):
         cpu_flash_prefill.flash_prefill(x, x, x, 0.1, 0, True)
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_scores_rising_far_above_the_first_keys(kernel, causal):
+    """Later keys score up to ~60 nats above the first ones (large logits that grow along the
+    prompt), so a row's running maximum moves many times, by more than the native AMX kernel's
+    lazy-rescale margin (2^8) and by less: every move must rescale what was accumulated."""
+    flash_prefill = _kernel(kernel)
+    torch.manual_seed(7)
+    tq = tk = 300
+    q = (torch.randn(tq, 9, 64) + 2.0).bfloat16()
+    ramp = torch.linspace(0.0, 4.0, tk)[:, None, None]
+    k = (torch.randn(tk, 3, 64) * 0.5 + ramp).bfloat16()
+    v = torch.randn(tk, 3, 64).bfloat16()
+    out, lse = flash_prefill(q, k, v, 0.125, 0, causal, return_lse=True)
+    ref, ref_lse = _reference(q, k, v, 0.125, 0, causal)
+    assert (out.double() - ref).abs().max().item() < 3e-2
+    assert ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max().item() < 1e-4
+
+
+def test_a_chunk_after_cached_context_equals_the_same_rows_of_the_whole_prompt():
+    """The AMX kernel's reference maxima are whole numbers in base 2, so P's bf16 rounding does
+    not depend on which rows share a tile: a prompt's rows recomputed as a chunk after its cached
+    context (a prefix-cache hit) come out bit-identical, lse included."""
+    flash_prefill = _kernel("native")
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        pytest.skip("this CPU has no AMX tiles: the kernel's AVX512-BF16 path promises no such identity")
+    torch.manual_seed(1)
+    q = (torch.randn(100, 9, 64) * 4).bfloat16()
+    k, v = torch.randn(100, 3, 64).bfloat16(), torch.randn(100, 3, 64).bfloat16()
+    whole, whole_lse = flash_prefill(q, k, v, 0.125, 0, True, return_lse=True)
+    for start, stop in ((98, 100), (37, 40), (0, 5), (50, 83)):
+        part, part_lse = flash_prefill(q[start:stop], k[:stop], v[:stop], 0.125, start, True, return_lse=True)
+        assert torch.equal(part, whole[start:stop]) and torch.equal(part_lse, whole_lse[:, start:stop])

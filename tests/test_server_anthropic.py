@@ -63,6 +63,10 @@ def test_create_plain(client):
 
 def test_streamed_equals_create(client):
     kwargs = dict(model=MODEL, max_tokens=10, messages=MESSAGES, extra_body=GREEDY)
+    # Both after a first request has cached the prompt: in bf16 a fresh prefill and the
+    # prefix-cached path round differently (~0.1 nats on this prompt), and its first token is
+    # a near-tie ('1' / 'The'): this test compares streaming with a whole response, not two paths.
+    client.messages.create(**kwargs)
     full = client.messages.create(**kwargs)
     with client.messages.stream(**kwargs) as stream:
         text = "".join(stream.text_stream)

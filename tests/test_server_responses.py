@@ -60,6 +60,10 @@ def test_create_plain(server, client):
 
 def test_streamed_equals_create(client):
     kwargs = dict(model=MODEL, input="Name three colors.", max_output_tokens=10, temperature=0)
+    # Both after a first request has cached the prompt: in bf16 a fresh prefill and the
+    # prefix-cached path round differently (~0.1 nats on this prompt), and its first token is
+    # a near-tie ('1' / 'The'): this test compares streaming with a whole response, not two paths.
+    client.responses.create(**kwargs)
     full = client.responses.create(**kwargs)
     with client.responses.stream(**kwargs) as stream:
         events = list(stream)

@@ -60,6 +60,10 @@ logger = logging.getLogger("tokenmill.serve")
 __all__ = ["ServerSettings", "create_app"]
 
 
+# How long a one-model server keeps answering (503 engine_dead) after its engine died, before it exits.
+ENGINE_DEATH_EXIT_DELAY_S = 1.5
+
+
 class Serving:
     """The app's hold on the engine: `state` is None until the model is loaded (`load`), and the
     routes ask for it through `require` (503 while loading, or after loading failed)."""
@@ -124,7 +128,10 @@ class Serving:
         if self.settings.restart_engine:
             self._restarting = loop.create_task(self._restart(loop))
         elif self.on_engine_failed is not None:
-            self.on_engine_failed(RuntimeError(f"the engine process died ({reason}); exiting"))
+            # Keep answering for a moment: probes see the 503 and the failed streams' error events reach
+            # their clients before the listening socket closes (the exit still comes well within 5 s).
+            loop.call_later(ENGINE_DEATH_EXIT_DELAY_S, self.on_engine_failed,
+                            RuntimeError(f"the engine process died ({reason}); exiting"))
 
     async def _restart(self, loop: asyncio.AbstractEventLoop) -> None:
         logger.warning("restarting the engine process")
