@@ -158,9 +158,13 @@ def run_baseline(engine: str, python: str, spec: dict[str, Any], runner: Optiona
         result.error = f"the {LABELS[engine]} runner did not finish within {timeout:.0f} s"
     elif returncode < 0:
         result.error = f"the {LABELS[engine]} runner was killed by {_signal_name(-returncode)}"
-        if -returncode == signal.SIGILL and engine == "llamacpp":
-            result.error += (" (an instruction this CPU or VM does not run; llama.cpp's AMX kernels do this "
-                             "on some machines: try --baseline-no-extra-bufts, or a build without GGML_AMX_INT8)")
+        if -returncode in (signal.SIGILL, signal.SIGSEGV) and engine == "llamacpp":
+            # Both seen on 2-core AMX VMs, in ggml's AMX matmul (ggml_backend_amx_mul_mat) of its
+            # default weight buffers. GGML_NATIVE=ON turns AMX back on whatever the AMX options say.
+            result.error += (" (llama.cpp's AMX kernels do this on some machines: try --baseline-no-extra-bufts, "
+                             "or --baseline-python of a build without them: CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
+                             "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON "
+                             "-DGGML_AMX_INT8=OFF\", docs/benchmarks.md)")
     elif returncode != 0:
         result.error = f"the {LABELS[engine]} runner exited with status {returncode}"
     elif missing and not result.error:
