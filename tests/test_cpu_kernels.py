@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from tokenmill.attention_backends import cpu_paged_decode
+from tokenmill.attention_backends import cpu_flash_prefill, cpu_paged_decode
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
 from tokenmill.platforms import cpu_kernels
 from tokenmill.platforms.cpu import CpuPlatform
@@ -97,15 +97,11 @@ def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, sh
     flat = cache.view(2, -1, kv_heads, head_size)
     assert torch.equal(flat[0, slots], k.to(kv_dtype)) and torch.equal(flat[1, slots], v.to(kv_dtype))
     ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
-    # A bf16 cache's shared prefix runs on AMX tiles where the CPU has them, with the query and
-    # the probabilities in bf16 as the prompt kernels have them (2^-8 relative).
-    on_tiles = kv_dtype == torch.bfloat16 and shared_blocks >= 9 and _amx()
+    # A bf16 cache's shared prefix runs on the prompt kernels' bf16 tiles (AVX512-BF16, or AMX
+    # where the CPU has it), with the query and the probabilities in bf16 as they have them
+    # (2^-8 relative).
+    on_tiles = kv_dtype == torch.bfloat16 and shared_blocks >= 9 and cpu_flash_prefill.available() is None
     assert (out.double() - ref).abs().max().item() < (4e-3 if on_tiles else 1e-5)
-
-
-def _amx() -> bool:
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(probe is not None and probe())
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,8 @@
 // Causal (or full) attention of a prompt chunk for the cpu_sdpa backend, bf16 in and out, on
-// AVX512-BF16 dot products: flash attention with an online softmax, float32 scores and
-// accumulators, the probabilities rounded to bf16 for P.V (as GPU flash kernels do).
+// AVX512-BF16 dot products: flash attention with an online softmax against a lazy base-2
+// maximum, float32 scores and accumulators, the probabilities rounded to bf16 for P.V (as GPU
+// flash kernels do). The tiles (attend_tile, attend_tile_amx) live in flash_tiles.h, shared
+// with the decode kernel's cascade prefix.
 //
 // torch's CPU flash kernel runs its small per-block GEMMs at ~120 GFLOP/s on a 2048-token
 // prompt of SmolLM2 (9 heads of 64); here K and V are first re-laid out once per call into
@@ -35,108 +37,6 @@ extern "C" int tokenmill_kernels_abi_version() { return 2; }
 
 namespace {
 using namespace tokenmill_flash;
-
-constexpr int64_t kRows = 8;    // query rows per tile: 8 score accumulators + the K pair
-template <int D>
-void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, uint16_t* out,
-                 int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale, int64_t q_offset,
-                 bool causal, float* lse, int64_t tq) {
-  constexpr int C = D / 16, P = D / 2;
-  alignas(64) float acc[kRows][D];
-  alignas(64) float prob[kRows][2 * kKeys];
-  float m[kRows], l[kRows];
-  for (int r = 0; r < kRows; ++r) {       // rows past `rows` keep probability 0 throughout
-    m[r] = kNone;
-    l[r] = 0.0f;
-    for (int c = 0; c < D; ++c) acc[r][c] = 0.0f;
-    for (int j = 0; j < 2 * kKeys; ++j) prob[r][j] = 0.0f;
-  }
-  const int32_t* qrow[kRows];
-  for (int r = 0; r < kRows; ++r)
-    qrow[r] = reinterpret_cast<const int32_t*>(q + (i0 + std::min<int64_t>(r, rows - 1)) * q_stride + h * D);
-  const int64_t last = causal ? std::min(tk, q_offset + i0 + rows) : tk;     // keys [0, last) can be seen
-  const __m512 vscale = _mm512_set1_ps(scale);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // Two key blocks (32 keys) a pass where there are: 16 score accumulators share each query
-  // broadcast, and the per-row softmax bookkeeping runs half as often.
-  auto pass = [&](auto blocks_c, int64_t b) {
-    constexpr int NB = decltype(blocks_c)::value;
-    __m512 s[kRows][NB];
-    for (int r = 0; r < kRows; ++r)
-      for (int n = 0; n < NB; ++n) s[r][n] = _mm512_setzero_ps();
-    const uint16_t* kb = kp + b * kKeys * D;
-    for (int p = 0; p < P; ++p) {
-      __m512bh kz[NB];
-      for (int n = 0; n < NB; ++n) kz[n] = (__m512bh)_mm512_loadu_si512(kb + n * kKeys * D + p * kKeys * 2);
-      for (int r = 0; r < kRows; ++r) {
-        const __m512bh qp = (__m512bh)_mm512_set1_epi32(qrow[r][p]);
-        for (int n = 0; n < NB; ++n) s[r][n] = _mm512_dpbf16_ps(s[r][n], qp, kz[n]);
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      const int64_t limit = causal ? std::min(tk, q_offset + i0 + r + 1) : tk;   // keys < limit
-      __mmask16 visible[NB];
-      __m512 scores[NB];
-      float top = m[r];
-      for (int n = 0; n < NB; ++n) {
-        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>((b + n) * kKeys)));
-        visible[n] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
-        scores[n] = _mm512_mul_ps(s[r][n], vscale);
-        if (visible[n]) top = std::max(top, _mm512_mask_reduce_max_ps(visible[n], scores[n]));
-      }
-      alignas(64) float e[NB * kKeys];
-      for (int n = 0; n < NB; ++n) _mm512_store_ps(e + n * kKeys, _mm512_sub_ps(scores[n], _mm512_set1_ps(top)));
-#pragma omp simd
-      for (int j = 0; j < NB * kKeys; ++j) e[j] = std::exp(e[j]);
-      __m512 total = _mm512_setzero_ps();
-      for (int n = 0; n < NB; ++n) {
-        const __m512 pr = _mm512_maskz_mov_ps(visible[n], _mm512_load_ps(e + n * kKeys));
-        total = _mm512_add_ps(total, pr);
-        _mm512_store_ps(prob[r] + n * kKeys, pr);
-      }
-      const float rescale = std::exp(m[r] - top);        // 0 on the first block (m = kNone)
-      l[r] = l[r] * rescale + _mm512_reduce_add_ps(total);
-      m[r] = top;
-      if (rescale != 1.0f) {
-        const __m512 rs = _mm512_set1_ps(rescale);
-        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), rs));
-      }
-    }
-    const uint16_t* vb = vp + b * kKeys * D;      // key pairs 8b .. 8b + 8 NB - 1, [d][2] each
-    const int64_t pairs = std::min<int64_t>(NB * kKeys / 2, (last - b * kKeys + 1) / 2);
-    // Four rows at a time: each V pair loaded once for 4 x C independent accumulators (one
-    // row's C chains alone would wait on the dot product's latency).
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      alignas(64) uint16_t pb[4][NB * kKeys];
-      for (int i = 0; i < 4; ++i)
-        for (int n = 0; n < NB; ++n)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[i] + n * kKeys),
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(prob[r0 + i] + n * kKeys)));
-      __m512 o[4][C];
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < C; ++c) o[i][c] = _mm512_load_ps(acc[r0 + i] + 16 * c);
-      for (int64_t jp = 0; jp < pairs; ++jp) {
-        __m512bh vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + (jp * D + 16 * c) * 2);
-        for (int i = 0; i < 4; ++i) {
-          const __m512bh pj = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(pb[i])[jp]);
-          for (int c = 0; c < C; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pj, vv[c]);
-        }
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r0 + i] + 16 * c, o[i][c]);
-    }
-  };
-  int64_t b = 0;
-  for (; (b + 1) * kKeys < last; b += 2) pass(std::integral_constant<int, 2>(), b);
-  if (b * kKeys < last) pass(std::integral_constant<int, 1>(), b);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.0f / l[r];
-    uint16_t* dst = out + (i0 + r) * out_stride + h * D;
-    for (int c = 0; c < D; ++c) dst[c] = round_bf16(acc[r][c] * inv);
-    if (lse) lse[h * tq + i0 + r] = m[r] + std::log(l[r]);
-  }
-}
 
 template <int D>
 void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,

@@ -1,7 +1,8 @@
 // bf16 flash-attention tiles shared by attention_backends/csrc/flash_prefill.cpp (prompt chunks)
 // and attention_backends/csrc/paged_decode.cpp (a cascade's shared prefix): K/V re-laid out into
-// the pair layouts AVX512-BF16 and AMX read, and, where the CPU has AMX, a tile of 16 queries
-// attending over them (attend_tile_amx). Included inside each file's own anonymous namespace,
+// the pair layouts AVX512-BF16 and AMX read, and a tile of queries attending over them: 8 on
+// AVX512-BF16 dot products (attend_tile), 16 on AMX tiles where the CPU has them
+// (attend_tile_amx). Included inside each file's own anonymous namespace,
 // after <immintrin.h>, where __AVX512BF16__ is defined; platforms/native_build.py hashes quoted
 // includes into each library's build key.
 #pragma once
@@ -66,17 +67,8 @@ inline void pack_kv(const uint16_t* k, int64_t k_stride, const uint16_t* v, int6
       pack_kv_block(k, k_stride, v, v_stride, tk, d, g, b, kp, vp);
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-// AMX tiles (Sapphire Rapids and later): 16 queries a tile, two key blocks (32 keys) a pass.
-// S = Q.K^T as two 16 x 16 float32 tiles (the packed K block's D/2 pairs x 16 keys x 2 is the
-// tile's B layout already), the online softmax on vectors (exp by exp2 polynomial: glibc's vector
-// expf and torch's Sleef exp were half of torch's flash time), P rounded to bf16 as one 16 x 32
-// A tile, P.V into fresh tiles (V's key pairs x D x 2 is B's layout), added to the float32
-// accumulators after their rescale. torch's own flash runs on AMX too (its Sleef exp half its
-// time): a 2048-token causal SmolLM2 prompt took 7.0 ms here against its 9.5 (2-core Xeon).
-constexpr int64_t kAmxRows = 16;
-
-using tokenmill_amx::amx_ready;
+// How far a score may pass a row's lazy reference maximum (base 2) before the reference moves.
+constexpr float kLazyLog2 = 8.0f;
 
 // 2^t for t <= kLazyLog2 (below -120: 2^-120): 2^(n + f), f in [-1/2, 1/2], a degree-4
 // polynomial for 2^f (relative error < 5e-5, far below P's bf16 rounding), scaled by 2^n.
@@ -95,6 +87,137 @@ inline __m512 exp2_bounded(__m512 t) {
 // e^x for x <= 0 (down to kNone: ~0).
 inline __m512 exp_nonpositive(__m512 x) { return exp2_bounded(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
+// A tile of up to kRows queries of head h on AVX512-BF16 dot products (any CPU this file builds for):
+// flash attention over the packed K/V of its KV head with an online softmax, float32 scores and
+// accumulators, P rounded to bf16 for P.V. Out: bf16 (rounded to nearest even) or float32.
+constexpr int64_t kRows = 8;    // query rows per tile: 8 score accumulators + the K pair
+template <int D, typename Out = uint16_t>
+void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
+                 int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale, int64_t q_offset,
+                 bool causal, float* lse, int64_t tq) {
+  constexpr int C = D / 16, P = D / 2;
+  alignas(64) float acc[kRows][D];
+  alignas(64) float prob[kRows][2 * kKeys];
+  alignas(64) float lsum[kRows][kKeys];   // each row's probability sums, 16 lanes (added up at the end)
+  float m[kRows];                         // each row's reference maximum, base 2, a whole number
+  for (int r = 0; r < kRows; ++r) {       // rows past `rows` keep probability 0 throughout
+    m[r] = kNone;
+    for (int c = 0; c < D; ++c) acc[r][c] = 0.0f;
+    for (int j = 0; j < 2 * kKeys; ++j) prob[r][j] = 0.0f;
+    for (int j = 0; j < kKeys; ++j) lsum[r][j] = 0.0f;
+  }
+  const int32_t* qrow[kRows];
+  for (int r = 0; r < kRows; ++r)
+    qrow[r] = reinterpret_cast<const int32_t*>(q + (i0 + std::min<int64_t>(r, rows - 1)) * q_stride + h * D);
+  const int64_t last = causal ? std::min(tk, q_offset + i0 + rows) : tk;     // keys [0, last) can be seen
+  // Scores in base 2 (t = s * scale * log2(e)) against a lazy reference maximum, as
+  // attend_tile_amx64 keeps it: a row's reference moves (to the ceiling of its visible maximum,
+  // rescaling its accumulators and sums by an exact power of two) only when a score passes it
+  // by kLazyLog2, so probabilities stay <= 2^8 and a pass needs no horizontal max or sum.
+  const __m512 vscale = _mm512_set1_ps(scale * 1.4426950408889634f);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // Two key blocks (32 keys) a pass where there are: 16 score accumulators share each query
+  // broadcast, and the per-row softmax bookkeeping runs half as often.
+  auto pass = [&](auto blocks_c, int64_t b) {
+    constexpr int NB = decltype(blocks_c)::value;
+    __m512 s[kRows][NB];
+    for (int r = 0; r < kRows; ++r)
+      for (int n = 0; n < NB; ++n) s[r][n] = _mm512_setzero_ps();
+    const uint16_t* kb = kp + b * kKeys * D;
+    for (int p = 0; p < P; ++p) {
+      __m512bh kz[NB];
+      for (int n = 0; n < NB; ++n) kz[n] = (__m512bh)_mm512_loadu_si512(kb + n * kKeys * D + p * kKeys * 2);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(qrow[r][p]);
+        for (int n = 0; n < NB; ++n) s[r][n] = _mm512_dpbf16_ps(s[r][n], qp, kz[n]);
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int64_t limit = causal ? std::min(tk, q_offset + i0 + r + 1) : tk;   // keys < limit
+      __mmask16 visible[NB];
+      __m512 t2[NB];
+      const __m512 bound = _mm512_set1_ps(m[r] + kLazyLog2);
+      bool moves = false;
+      for (int n = 0; n < NB; ++n) {
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>((b + n) * kKeys)));
+        visible[n] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
+        t2[n] = _mm512_mul_ps(s[r][n], vscale);
+        moves |= _mm512_mask_cmp_ps_mask(visible[n], t2[n], bound, _CMP_GT_OQ) != 0;
+      }
+      if (moves) {      // rare after a row's first keys; 2^(kNone - top) ~ 0 on the first pass
+        float top = m[r];
+        for (int n = 0; n < NB; ++n)
+          if (visible[n]) top = std::max(top, _mm512_mask_reduce_max_ps(visible[n], t2[n]));
+        top = std::ceil(top);
+        const __m512 factor = exp2_bounded(_mm512_set1_ps(m[r] - top));
+        for (int c = 0; c < C; ++c)
+          _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), factor));
+        _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), factor));
+        m[r] = top;
+      }
+      const __m512 ref = _mm512_set1_ps(m[r]);
+      __m512 total = _mm512_load_ps(lsum[r]);
+      for (int n = 0; n < NB; ++n) {
+        const __m512 pr = _mm512_maskz_mov_ps(visible[n], exp2_bounded(_mm512_sub_ps(t2[n], ref)));
+        total = _mm512_add_ps(total, pr);
+        _mm512_store_ps(prob[r] + n * kKeys, pr);
+      }
+      _mm512_store_ps(lsum[r], total);
+    }
+    const uint16_t* vb = vp + b * kKeys * D;      // key pairs 8b .. 8b + 8 NB - 1, [d][2] each
+    const int64_t pairs = std::min<int64_t>(NB * kKeys / 2, (last - b * kKeys + 1) / 2);
+    // Four rows at a time: each V pair loaded once for 4 x C independent accumulators (one
+    // row's C chains alone would wait on the dot product's latency).
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      alignas(64) uint16_t pb[4][NB * kKeys];
+      for (int i = 0; i < 4; ++i)
+        for (int n = 0; n < NB; ++n)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[i] + n * kKeys),
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(prob[r0 + i] + n * kKeys)));
+      __m512 o[4][C];
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < C; ++c) o[i][c] = _mm512_load_ps(acc[r0 + i] + 16 * c);
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        __m512bh vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + (jp * D + 16 * c) * 2);
+        for (int i = 0; i < 4; ++i) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(pb[i])[jp]);
+          for (int c = 0; c < C; ++c) o[i][c] = _mm512_dpbf16_ps(o[i][c], pj, vv[c]);
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r0 + i] + 16 * c, o[i][c]);
+    }
+  };
+  int64_t b = 0;
+  for (; (b + 1) * kKeys < last; b += 2) pass(std::integral_constant<int, 2>(), b);
+  if (b * kKeys < last) pass(std::integral_constant<int, 1>(), b);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
+    const float inv = 1.0f / total;
+    Out* dst = out + (i0 + r) * out_stride + h * D;
+    for (int c = 0; c < D; ++c) {
+      if constexpr (std::is_same<Out, float>::value)
+        dst[c] = acc[r][c] * inv;
+      else
+        dst[c] = round_bf16(acc[r][c] * inv);
+    }
+    if (lse) lse[h * tq + i0 + r] = m[r] * 0.6931471805599453f + std::log(total);
+  }
+}
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+// AMX tiles (Sapphire Rapids and later): 16 queries a tile, two key blocks (32 keys) a pass.
+// S = Q.K^T as two 16 x 16 float32 tiles (the packed K block's D/2 pairs x 16 keys x 2 is the
+// tile's B layout already), the online softmax on vectors (exp by exp2 polynomial: glibc's vector
+// expf and torch's Sleef exp were half of torch's flash time), P rounded to bf16 as one 16 x 32
+// A tile, P.V into fresh tiles (V's key pairs x D x 2 is B's layout), added to the float32
+// accumulators after their rescale. torch's own flash runs on AMX too (its Sleef exp half its
+// time): a 2048-token causal SmolLM2 prompt took 7.0 ms here against its 9.5 (2-core Xeon).
+constexpr int64_t kAmxRows = 16;
+
+using tokenmill_amx::amx_ready;
+
 // attend_tile_amx for D = 64, with P.V accumulated in four resident tiles (4-7: 16 rows x 64
 // dims of float32) instead of stored, rescaled and added on vectors every pass, and a lazy
 // running maximum (FlashAttention-3's trick): a row's reference maximum moves only when a score
@@ -104,7 +227,6 @@ inline __m512 exp_nonpositive(__m512 x) { return exp2_bounded(_mm512_mul_ps(x, _
 // (D = 128 would need all eight tiles as accumulators: it stays on attend_tile_amx's loop.)
 // A 2048-token causal prompt, 9/3 heads, AMX host (2026-12-03, both kernels in one process):
 // 14.1 ms on 1 thread, 7.1 on 2; the general kernel below 19.9 and 10.9.
-constexpr float kLazyLog2 = 8.0f;
 
 // The query tile as AMX loads it: in place when all 16 rows are real, else copied into `pad`
 // with zero rows. Returns its first byte; *stride_bytes its row stride.

@@ -408,17 +408,19 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-// shared_prefix on AMX tiles for a bf16 cache: the prefix's blocks gathered and re-laid out once
-// (flash_tiles.h's pair layouts), each KV head's queries (every row's heads of its group, rounded
-// to bf16 as the prompt kernels round them) in tiles of 16 over it. 64 rows x 512 shared positions
-// was the float32 kernel's 20 % of a W3 run; false where AMX cannot run.
+#if defined(__AVX512BF16__)
+// shared_prefix on bf16 dot products for a bf16 cache: the prefix's blocks gathered and re-laid
+// out once (flash_tiles.h's pair layouts), each KV head's queries (every row's heads of its
+// group, rounded to bf16 as the prompt kernels round them) in tiles over it: AMX tiles of 16
+// where the CPU has them, else AVX512-BF16 tiles of 8. 64 rows x 512 shared positions (W3) was
+// the float32 kernel's 14-20 % of a run; on a 2-core EPYC without AMX a layer's prefix took
+// 0.38 ms there. False where neither can run (the caller keeps the float32 kernel).
 template <int D>
-bool shared_prefix_amx(const float* q, const uint16_t* kv, const int32_t* blocks, int64_t prefix_len,
-                       int64_t block_size, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset,
-                       float scale, float* out, float* lse) {
+bool shared_prefix_bf16(const float* q, const uint16_t* kv, const int32_t* blocks, int64_t prefix_len,
+                        int64_t block_size, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset,
+                        float scale, float* out, float* lse) {
   namespace tf = tokenmill_flash;
-  if (!tf::amx_ready()) return false;
+  const bool amx = tf::kHasAmx && tf::amx_ready();
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * D, rows = num_seqs * group;
   const int64_t head = (prefix_len + tf::kKeys - 1) / tf::kKeys * tf::kKeys * D;
   thread_local std::vector<uint16_t> kflat, vflat, kp, vp, qb;
@@ -441,15 +443,17 @@ bool shared_prefix_amx(const float* q, const uint16_t* kv, const int32_t* blocks
       const float* src = q + ((r / group) * num_heads + g * group + r % group) * D;
       for (int64_t d = 0; d < D; ++d) qb[(g * rows + r) * D + d] = tf::round_bf16(src[d]);
     }
-  const int64_t tiles = (rows + tf::kAmxRows - 1) / tf::kAmxRows;
+  const int64_t tile_rows = amx ? tf::kAmxRows : tf::kRows;
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   // Plain pointers: inside the parallel loop a thread_local's name means each worker's own copy.
   const uint16_t *qd = qb.data(), *kd = kp.data(), *vd = vp.data();
   float *od = ob.data(), *ld = lb.data();
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_kv_heads * tiles; ++item) {
-    const int64_t g = item / tiles, i0 = (item % tiles) * tf::kAmxRows;
-    tf::attend_tile_amx<D, float>(qd + g * rows * D, D, kd + g * head, vd + g * head, od + g * rows * D, D, 0, i0,
-                                  std::min(tf::kAmxRows, rows - i0), prefix_len, scale, 0, false, ld + g * rows, rows);
+    const int64_t g = item / tiles, i0 = (item % tiles) * tile_rows;
+    (amx ? tf::attend_tile_amx<D, float> : tf::attend_tile<D, float>)(
+        qd + g * rows * D, D, kd + g * head, vd + g * head, od + g * rows * D, D, 0, i0, std::min(tile_rows, rows - i0),
+        prefix_len, scale, 0, false, ld + g * rows, rows);
   }
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t r = 0; r < rows; ++r) {
@@ -461,8 +465,8 @@ bool shared_prefix_amx(const float* q, const uint16_t* kv, const int32_t* blocks
 }
 #else
 template <int D>
-bool shared_prefix_amx(const float*, const uint16_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                       int64_t, float, float*, float*) {
+bool shared_prefix_bf16(const float*, const uint16_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, float, float*, float*) {
   return false;
 }
 #endif
@@ -514,10 +518,10 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     bool on_tiles = false;
     if constexpr (std::is_same<KV, uint16_t>::value)
       on_tiles = head_size == 64
-                     ? shared_prefix_amx<64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
-                                             v_offset, scale, part.data(), lse_prefix.data())
-                     : shared_prefix_amx<128>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
-                                              v_offset, scale, part.data(), lse_prefix.data());
+                     ? shared_prefix_bf16<64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
+                                              v_offset, scale, part.data(), lse_prefix.data())
+                     : shared_prefix_bf16<128>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
+                                               v_offset, scale, part.data(), lse_prefix.data());
     if (!on_tiles && head_size == 64)
       shared_prefix<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
                             part.data(), lse_prefix.data());
