@@ -87,6 +87,26 @@ inline __m512 exp2_bounded(__m512 t) {
 // e^x for x <= 0 (down to kNone: ~0).
 inline __m512 exp_nonpositive(__m512 x) { return exp2_bounded(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
+// Rows [0, rows) of a finished tile: acc / (the sum of the row's lsum lanes) to out (float32, or
+// bf16 rounded to nearest even), and each row's log-sum-exp, its reference maximum m counted in
+// units of m_unit (1: natural log, ln 2: base 2).
+template <int D, typename Out>
+inline void store_rows(const float (*acc)[D], const float (*lsum)[kKeys], const float* m, float m_unit, int64_t rows,
+                       Out* out, int64_t out_stride, int64_t h, int64_t i0, float* lse, int64_t tq) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float total = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
+    const float inv = 1.0f / total;
+    Out* dst = out + (i0 + r) * out_stride + h * D;
+    for (int c = 0; c < D; ++c) {
+      if constexpr (std::is_same<Out, float>::value)
+        dst[c] = acc[r][c] * inv;
+      else
+        dst[c] = round_bf16(acc[r][c] * inv);
+    }
+    if (lse) lse[h * tq + i0 + r] = m[r] * m_unit + std::log(total);
+  }
+}
+
 // A tile of up to kRows queries of head h on AVX512-BF16 dot products (any CPU this file builds for):
 // flash attention over the packed K/V of its KV head with an online softmax, float32 scores and
 // accumulators, P rounded to bf16 for P.V. Out: bf16 (rounded to nearest even) or float32.
@@ -192,18 +212,7 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
   int64_t b = 0;
   for (; (b + 1) * kKeys < last; b += 2) pass(std::integral_constant<int, 2>(), b);
   if (b * kKeys < last) pass(std::integral_constant<int, 1>(), b);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float total = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
-    const float inv = 1.0f / total;
-    Out* dst = out + (i0 + r) * out_stride + h * D;
-    for (int c = 0; c < D; ++c) {
-      if constexpr (std::is_same<Out, float>::value)
-        dst[c] = acc[r][c] * inv;
-      else
-        dst[c] = round_bf16(acc[r][c] * inv);
-    }
-    if (lse) lse[h * tq + i0 + r] = m[r] * 0.6931471805599453f + std::log(total);
-  }
+  store_rows<D, Out>(acc, lsum, m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
@@ -489,18 +498,7 @@ void attend_tile_amx(const uint16_t* q, int64_t q_stride, const uint16_t* kp, co
         _mm512_store_ps(acc[r] + c, _mm512_fmadd_ps(_mm512_load_ps(acc[r] + c), rs, _mm512_load_ps(part[r] + c)));
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float total = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
-    const float inv = 1.0f / total;
-    Out* dst = out + (i0 + r) * out_stride + h * D;
-    for (int c = 0; c < D; ++c) {
-      if constexpr (std::is_same<Out, float>::value)
-        dst[c] = acc[r][c] * inv;
-      else
-        dst[c] = round_bf16(acc[r][c] * inv);
-    }
-    if (lse) lse[h * tq + i0 + r] = m[r] + std::log(total);
-  }
+  store_rows<D, Out>(acc, lsum, m, 1.0f, rows, out, out_stride, h, i0, lse, tq);
 }
 constexpr bool kHasAmx = true;
 #else
