@@ -96,7 +96,8 @@ def markdown_section(run: dict, title: Optional[str] = None) -> str:
         out.append(f"- TRITON_INTERPRET={env['TRITON_INTERPRET']} (Triton kernels run in the interpreter)")
     tol = run.get("tolerances", TOLERANCES)
     out.append("- tolerance: max |out - ref| <= atol + rtol*|ref|: "
-               + ", ".join(f"{dt} atol {a:g} rtol {r:g}" for dt, (a, r) in tol.items()))
+               + ", ".join(f"{dt} atol {a:g} rtol {r:g}" for dt, (a, r) in tol.items())
+               + " (an fp8 cache over float32 activations: bfloat16's)")
     if run.get("load_errors"):
         for k, v in run["load_errors"].items():
             out.append(f"- backend {k} failed to load: {v}")

@@ -14,7 +14,7 @@ import torch
 
 from .native_build import NativeLibrary
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 Q4, BF16, Q8, S8 = 0, 1, 2, 5
 
@@ -28,7 +28,8 @@ class NativeLinear(ctypes.Structure):
 class NativeLayer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear),
-                ("down", NativeLinear), ("kv_cache", ctypes.c_void_p), ("window", ctypes.c_int64)]
+                ("down", NativeLinear), ("kv_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
 class NativeModel(ctypes.Structure):

@@ -139,6 +139,9 @@ class _FusedStep:
             for name in ("qkv", "o", "gate_up", "down"):
                 setattr(slot, name, self._linear(getattr(layer, name), weight_format, f"layer {i} {name}"))
             slot.window = int(layer.attention.sliding_window or 0)
+            # An fp8 cache's per-tensor scales (set by the loader before the step is built).
+            slot.k_scale = float(getattr(layer.attention.impl, "k_scale", 1.0))
+            slot.v_scale = float(getattr(layer.attention.impl, "v_scale", 1.0))
         # Batches (BATCH_ROWS tokens and more) under "q4": the same layers over the method's int8
         # per-channel weights (what its own eager matmuls take for batches) in S8.
         self._batch_layers = self._s8_variant(spec) if weight_format == "q4" else None

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.attention_backends import cpu_flash_prefill, cpu_paged_decode
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
+from tokenmill.attention_backends.interface import from_kv, to_kv
 from tokenmill.platforms import cpu_kernels
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.quantization import cpu_int4
@@ -43,71 +44,129 @@ def _attend(q, cache, tables, lens, scale, window=None, first=0):
     return torch.stack(outs), torch.stack(lses)
 
 
-@pytest.mark.parametrize("kv_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_DTYPES = (torch.float32, torch.bfloat16) + FP8
+# fp8 caches hold x / scale: scales off 1 check that the kernel reads stored * scale.
+SCALES = {torch.float8_e4m3fn: (0.02, 0.015), torch.float8_e5m2: (0.5, 2.0)}
+
+
+def _cache(shape, dtype, seed):
+    """A random cache [2, ...] of `dtype` and the float32 values attention reads from it."""
+    torch.manual_seed(seed)
+    values = torch.randn(shape)
+    if dtype not in FP8:
+        cache = values.to(dtype)
+        return cache, cache.float(), (1.0, 1.0)
+    k_scale, v_scale = SCALES[dtype]
+    cache = torch.stack((to_kv(values[0], dtype, k_scale), to_kv(values[1], dtype, v_scale)))
+    read = torch.stack((from_kv(cache[0], torch.float32, k_scale), from_kv(cache[1], torch.float32, v_scale)))
+    return cache, read, (k_scale, v_scale)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("window,first", [(None, 0), (40, 0), (None, 64)])
 @pytest.mark.parametrize("lens", [[97, 130, 65, 200, 81], [150]])   # one sequence: split by kv head
-def test_paged_decode_matches_float64(kv_dtype, tol, window, first, lens):
-    cache, tables, meta = _paged(lens, dtype=kv_dtype)
+def test_paged_decode_matches_float64(kv_dtype, window, first, lens):
+    """Every cache dtype: float32 and bf16 values as they are, fp8 ones times their scales; the
+    bf16/fp8 loops' query and probabilities in two bf16 halves keep 1e-5."""
+    tables, meta = decode_batch(lens, 0, num_blocks=120, seed=0)
+    cache, read, (k_scale, v_scale) = _cache((2, 120, 16, 3, 64), kv_dtype, seed=0)
     q = torch.randn(len(lens), 9, 64)
     out, lse = cpu_paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.125, window,
-                                             first_pos=first, return_lse=True)
-    ref, ref_lse = _attend(q, cache.float(), tables, lens, 0.125, window, first)
-    assert (out.double() - ref).abs().max().item() < tol
+                                             first_pos=first, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+    ref, ref_lse = _attend(q, read, tables, lens, 0.125, window, first)
+    assert (out.double() - ref).abs().max().item() < 1e-5
     assert (lse.double() - ref_lse).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_size", [(8, 2, 128), (8, 8, 64), (12, 2, 64), (4, 2, 80)])
 @pytest.mark.parametrize("lens", [[97, 130, 5, 200, 16], [150]])
 def test_paged_decode_head_layouts_match_float64(kv_dtype, heads, kv_heads, head_size, lens):
     """The vector loops (head sizes 64 and 128: groups of 1, 4 and 6 query heads, accumulators
     in chunks) and the scalar loop (80) against float64, lengths off and on the 16-row chunks."""
     tables, meta = decode_batch(lens, 0, num_blocks=120, seed=1)
-    torch.manual_seed(1)
-    cache = torch.randn(2, 120, 16, kv_heads, head_size).to(kv_dtype)
+    cache, read, (k_scale, v_scale) = _cache((2, 120, 16, kv_heads, head_size), kv_dtype, seed=1)
     q = torch.randn(len(lens), heads, head_size)
-    out = cpu_paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.1, None)
-    ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
+    out = cpu_paged_decode.paged_decode(q, cache, meta.block_tables, meta.seq_lens, 0.1, None,
+                                        k_scale=k_scale, v_scale=v_scale)
+    ref, _ = _attend(q, read, tables, lens, 0.1)
     assert (out.double() - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def _attend_entry(kv_dtype):
+    """The NATIVE_DECODE_ABI entry for a cache of `kv_dtype`, as the fused step calls it."""
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    fn = ctypes.CFUNCTYPE(None, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                          ctypes.c_float, ctypes.c_float)(cpu_paged_decode.native_attend_address(kv_dtype))
+    return fn
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("shared_blocks,head_size", [(0, 64), (9, 64), (9, 128), (3, 64)])
 def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, shared_blocks, head_size):
-    """The fused step's entry (NATIVE_DECODE_ABI): new K/V rows written to their slots, then
-    attention; tables sharing >= 128 leading positions (9 blocks) take the cascade pass (the
-    prefix once for all rows, merged by log-sum-exp), 3 shared blocks the plain one. Both
-    equal float64 over the written cache."""
+    """The fused step's entry (NATIVE_DECODE_ABI): new K/V rows written to their slots (fp8: the
+    same bytes as torch's to_kv), then attention; tables sharing >= 128 leading positions (9
+    blocks) take the cascade pass (the prefix once for all rows, merged by log-sum-exp), 3
+    shared blocks the plain one. Both equal float64 over the written cache."""
     lens = [170, 200, 161, 190, 145, 177]
     tables, meta = decode_batch(lens, shared_blocks, num_blocks=120, seed=2)
-    torch.manual_seed(2)
     heads, kv_heads = 9, 3
-    cache = torch.randn(2, 120, 16, kv_heads, head_size).to(kv_dtype)
+    cache, _, (k_scale, v_scale) = _cache((2, 120, 16, kv_heads, head_size), kv_dtype, seed=2)
     q = torch.randn(len(lens), heads, head_size)
     k, v = torch.randn(len(lens), kv_heads, head_size), torch.randn(len(lens), kv_heads, head_size)
     out = torch.empty_like(q)
-    lib = cpu_paged_decode.LIBRARY.require()
-    fn = lib.paged_attend_f32 if kv_dtype == torch.float32 else lib.paged_attend_bf16kv
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     slots = meta.slot_mapping.to(torch.int64).contiguous()
-    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), slots.data_ptr(), meta.block_tables.data_ptr(),
-       meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), len(lens), heads, kv_heads, head_size,
-       16, 120, 0.1, 0)
+    _attend_entry(kv_dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), slots.data_ptr(),
+                            meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
+                            out.data_ptr(), len(lens), heads, kv_heads, head_size, 16, 120, 0.1, 0, k_scale, v_scale)
     flat = cache.view(2, -1, kv_heads, head_size)
-    assert torch.equal(flat[0, slots], k.to(kv_dtype)) and torch.equal(flat[1, slots], v.to(kv_dtype))
-    ref, _ = _attend(q, cache.float(), tables, lens, 0.1)
-    # A bf16 cache's shared prefix runs on the prompt kernels' bf16 tiles (AVX512-BF16, or AMX
-    # where the CPU has it), with the query and the probabilities in bf16 as they have them
-    # (2^-8 relative).
-    on_tiles = kv_dtype == torch.bfloat16 and shared_blocks >= 9 and cpu_flash_prefill.available() is None
+    as_bytes = (lambda t: t.view(torch.uint8)) if kv_dtype in FP8 else (lambda t: t)
+    assert torch.equal(as_bytes(flat[0, slots]), as_bytes(to_kv(k, kv_dtype, k_scale)))
+    assert torch.equal(as_bytes(flat[1, slots]), as_bytes(to_kv(v, kv_dtype, v_scale)))
+    read = torch.stack((from_kv(cache[0], torch.float32, k_scale), from_kv(cache[1], torch.float32, v_scale)))
+    ref, _ = _attend(q, read, tables, lens, 0.1)
+    # A bf16 or fp8 cache's shared prefix runs on the prompt kernels' bf16 tiles (AVX512-BF16, or
+    # AMX where the CPU has them), with the query and the probabilities in bf16 as they have
+    # them (2^-8 relative).
+    on_tiles = kv_dtype != torch.float32 and shared_blocks >= 9 and cpu_flash_prefill.available() is None
     assert (out.double() - ref).abs().max().item() < (4e-3 if on_tiles else 1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", FP8, ids=str)
+def test_fp8_writes_round_like_torch(kv_dtype):
+    """The kernel's float -> fp8 rounding against torch's on every kind of value: subnormals,
+    ties between two fp8 values, values that round up into the next binade, saturation."""
+    finfo = torch.finfo(kv_dtype)
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    codes = codes[torch.isfinite(codes)].unique()
+    mids = (codes[1:] + codes[:-1]) / 2                          # exact ties: round to even
+    torch.manual_seed(3)
+    spread = torch.randn(4096) * torch.exp2(torch.empty(4096).uniform_(-20, 18))
+    values = torch.cat([codes, mids, torch.nextafter(mids, codes[1:]), torch.nextafter(mids, codes[:-1]), spread,
+                        torch.tensor([finfo.max * 1.01, -finfo.max * 3, 1e30, -1e-30, 0.0, -0.0])])
+    rows = (values.numel() + 63) // 64
+    padded = torch.zeros(rows * 64)
+    padded[:values.numel()] = values
+    k = padded.view(rows, 1, 64)
+    cache = torch.zeros(2, rows, 1, 1, 64, dtype=kv_dtype)
+    slots = torch.arange(rows, dtype=torch.int64)
+    tables = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    lens = torch.ones(rows, dtype=torch.int32)
+    q, out = torch.zeros(rows, 1, 64), torch.empty(rows, 1, 64)
+    _attend_entry(kv_dtype)(q.data_ptr(), k.data_ptr(), k.data_ptr(), cache.data_ptr(), slots.data_ptr(),
+                            tables.data_ptr(), 1, lens.data_ptr(), out.data_ptr(), rows, 1, 1, 64, 1, rows, 1.0, 0,
+                            1.0, 1.0)
+    want = to_kv(k, kv_dtype).view(torch.uint8).reshape(-1)
+    got = cache[0].reshape(-1).view(torch.uint8)
+    assert torch.equal(got, want), (values[(got != want)[:values.numel()]][:8])
+    assert torch.equal(out, k.float().clamp(-finfo.max, finfo.max).to(kv_dtype).float())   # one position: v
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("shared_blocks", [0, 9])
 def test_cpu_sdpa_decode_native_equals_torch_path(monkeypatch, kv_dtype, shared_blocks):
-    """float32 activations over a float32 or bf16 cache, with and without a shared prefix
+    """float32 activations over a float32, bf16 or fp8 cache, with and without a shared prefix
     (cascade): the native kernel and the torch path give the same attention."""
     lens = [170, 200, 161, 190]
     cache, _, meta = _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)

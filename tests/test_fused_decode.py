@@ -118,19 +118,24 @@ def _decode_both_ways(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.
     ("llama", {}), ("llama", {"vocab_size": 1024, "tie_word_embeddings": True}), ("mistral", {"sliding_window": 8}),
     ("qwen2", {}), ("qwen3", {}),
 ])
-@pytest.mark.parametrize("mode", ["int4", "int8", "bfloat16"])
+@pytest.mark.parametrize("mode", ["int4", "int8", "bfloat16", "int4+fp8"])
 def test_fused_step_agrees_with_the_eager_model(kind, overrides, mode, tmp_path):
     """int8: every linear in S8 (its int8 per-channel weights, activations per 32 inputs where the
-    eager path quantizes per token)."""
+    eager path quantizes per token). int4+fp8: an fp8 e4m3 KV cache, written and read by the
+    step's native attention entry."""
     if mode == "bfloat16" and not native.LIBRARY.require().fused_decode_caps() & 2:
         pytest.skip("no AVX512-BF16")
     save_tiny_checkpoint(kind, str(tmp_path), **overrides)
     kwargs = (dict(dtype="bfloat16") if mode == "bfloat16"
+              else dict(quantization="int4", kv_cache_dtype="fp8") if mode == "int4+fp8"
               else dict(quantization=mode, kv_cache_dtype="bfloat16"))
     llm = LLM(str(tmp_path), kv_cache_memory=16 << 20, generation_config="none", **kwargs)
     prompt = torch.randint(10, 1000, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     if mode == "int8":
         assert llm.engine.runner.forward.fused_step._layers[0].qkv.kind == native.S8
+    if mode == "int4+fp8":
+        assert llm.engine.runner.layers[0].kv_cache.dtype == torch.float8_e4m3fn
+        assert hasattr(llm.engine.runner.forward, "fused_step")
     fused_out, eager_out = _decode_both_ways(llm, prompt)
     cosine = torch.nn.functional.cosine_similarity(fused_out, eager_out, dim=-1)
     assert cosine.min() > 0.995, cosine

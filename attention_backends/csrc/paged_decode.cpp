@@ -58,6 +58,62 @@ inline uint16_t from_float<uint16_t>(float x) {   // round to nearest even, as t
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// fp8 caches (kv_cache_dtype "fp8" / "fp8_e4m3" and "fp8_e5m2", as vLLM's): a byte holds x / scale
+// rounded to nearest even and saturated to the format's largest finite value, as torch's
+// to_kv (clamp, then .to()) stores it; attention reads stored * scale, with k_scale folded into
+// the query and v_scale into the output, so the loops see the stored values themselves.
+template <int MantissaBits, int Bias, uint32_t MaxBits>
+struct Fp8 {
+  uint8_t bits;
+  static constexpr int kMantissa = MantissaBits;
+  static constexpr int kBias = Bias;
+  static constexpr uint32_t kMax = MaxBits;      // float32 bits of the largest finite value
+  // The value of the smallest normal's exponent field in float32, and one subnormal step.
+  static constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(128 - Bias) << 23;
+  static float ulp() { return std::ldexp(1.0f, 1 - Bias - MantissaBits); }
+  // bf16 bits of m subnormal steps (m < 2^MantissaBits), a vpermw table.
+  static constexpr uint16_t subnormal_bf16(int m) {
+    int p = 0;
+    while (m > 0 && (2 << p) <= m) ++p;
+    return m == 0 ? 0 : static_cast<uint16_t>(((p + 1 - Bias - MantissaBits + 127) << 7) | ((m - (1 << p)) << (7 - p)));
+  }
+};
+using E4M3 = Fp8<3, 7, 0x43E00000u>;     // largest 448
+using E5M2 = Fp8<2, 15, 0x47600000u>;    // largest 57344
+static_assert(sizeof(E4M3) == 1 && sizeof(E5M2) == 1, "one byte per value");
+
+template <typename KV>
+inline float to_float(KV x) {       // fp8
+  const uint32_t mag = x.bits & 0x7Fu;
+  float v;
+  if (mag < (1u << KV::kMantissa)) {
+    v = static_cast<float>(mag) * KV::ulp();
+  } else {
+    const uint32_t b = (mag << (23 - KV::kMantissa)) + (static_cast<uint32_t>(127 - KV::kBias) << 23);
+    __builtin_memcpy(&v, &b, sizeof v);
+  }
+  return x.bits & 0x80 ? -v : v;
+}
+
+template <typename KV>
+inline KV from_float(float x) {     // fp8
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  bits &= 0x7FFFFFFFu;
+  constexpr int drop = 23 - KV::kMantissa;
+  constexpr uint32_t rebias = static_cast<uint32_t>(127 - KV::kBias) << KV::kMantissa;
+  if (bits > 0x7F800000u) return KV{static_cast<uint8_t>(sign | 0x7F)};                  // NaN
+  if (bits >= KV::kMax) return KV{static_cast<uint8_t>(sign | ((KV::kMax >> drop) - rebias))};
+  if (bits < KV::kMinNormalBits) {          // multiples of the subnormal step (2^M of them: the smallest normal)
+    float a;
+    __builtin_memcpy(&a, &bits, sizeof a);
+    return KV{static_cast<uint8_t>(sign | static_cast<uint8_t>(std::nearbyint(a / KV::ulp())))};
+  }
+  bits += (1u << (drop - 1)) - 1 + ((bits >> drop) & 1);
+  return KV{static_cast<uint8_t>(sign | ((bits >> drop) - rebias))};
+}
+
 #if defined(__AVX512F__)
 // Sixteen values of a K/V row as float32 (bf16 widens exactly: its bits are a float's top half).
 template <typename KV>
@@ -69,6 +125,41 @@ inline __m512 load16<uint16_t>(const uint16_t* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+
+template <typename F>
+inline __m512 fp8x16_to_f32(const F* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(mag, 23 - F::kMantissa), _mm512_set1_epi32((127 - F::kBias) << 23)));
+  const __m512 tiny = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(F::ulp()));
+  const __mmask16 sub = _mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(1 << F::kMantissa));
+  const __m512i v = _mm512_castps_si512(_mm512_mask_blend_ps(sub, normal, tiny));
+  return _mm512_castsi512_ps(_mm512_or_si512(v, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24)));
+}
+template <>
+inline __m512 load16<E4M3>(const E4M3* p) { return fp8x16_to_f32(p); }
+template <>
+inline __m512 load16<E5M2>(const E5M2* p) { return fp8x16_to_f32(p); }
+
+// Thirty-two values of a K/V row as bf16 bits: a bf16 row as it is, an fp8 row widened exactly
+// (every fp8 value is a bf16 value): the exponent re-biased, subnormals from a vpermw table.
+template <typename KV>
+inline __m512i bf16x32(const KV* p) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i normal =
+      _mm512_add_epi16(_mm512_slli_epi16(mag, 7 - KV::kMantissa), _mm512_set1_epi16((127 - KV::kBias) << 7));
+  alignas(64) static constexpr uint16_t table[32] = {
+      KV::subnormal_bf16(0), KV::subnormal_bf16(1), KV::subnormal_bf16(2), KV::subnormal_bf16(3),
+      KV::subnormal_bf16(4), KV::subnormal_bf16(5), KV::subnormal_bf16(6), KV::subnormal_bf16(7)};
+  const __m512i tiny = _mm512_permutexvar_epi16(mag, _mm512_load_si512(table));
+  const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(1 << KV::kMantissa));
+  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8);
+  return _mm512_or_si512(_mm512_mask_blend_epi16(sub, normal, tiny), sign);
+}
+template <>
+inline __m512i bf16x32<uint16_t>(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
@@ -201,7 +292,7 @@ template <typename KV, int D>
 void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_size_rt, int64_t block_size, int64_t num_blocks,
-            float scale, int64_t window, int64_t first_pos, float* lse) {
+            float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale) {
   const int64_t hd = D > 0 ? D : head_size_rt;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * hd;                 // elements per token slot
@@ -232,7 +323,7 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
       qf.resize(num_heads * hd);
       inv_sum.resize(num_heads);
       const float* qs = q + s * num_heads * hd;
-      for (int64_t i = h0 * hd; i < h1 * hd; ++i) qf[i] = qs[i] * scale;
+      for (int64_t i = h0 * hd; i < h1 * hd; ++i) qf[i] = qs[i] * (scale * k_scale);
       const int32_t* table = tables + s * table_stride;
 
       // D a multiple of 16 (64, 128) runs the vector loops; any other size the scalar ones.
@@ -263,7 +354,7 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
           sh[i] = std::exp(sh[i] - mx);
           sum += sh[i];
         }
-        inv_sum[h] = 1.0f / sum;
+        inv_sum[h] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
       }
       if (vector)
@@ -296,13 +387,11 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
 // q . k: 16 positions per head as in qk_scores; P . V: pairs of V rows interleaved in registers
 // (vpunpck{l,h}wd), each lane's float32 sum over two positions, dimensions permuted within
 // 128-bit lanes and put back at the end.
-inline __m512i load_bf16x32(const uint16_t* p) { return _mm512_loadu_si512(p); }
-
-template <int D, int HC>
-inline void pv_pairs(const uint16_t* p_hi, const uint16_t* p_lo, int64_t n2, const uint16_t* const* vrows,
+template <typename KV, int D, int HC>
+inline void pv_pairs(const uint16_t* p_hi, const uint16_t* p_lo, int64_t n2, const KV* const* vrows,
                      int64_t n, int64_t g_off, float* acc_out, int64_t prefetch_off, int64_t prefetch_bytes) {
   constexpr int C = D / 32;
-  alignas(64) static const uint16_t zeros[D] = {};
+  alignas(64) static const KV zeros[D] = {};
   __m512 acc[HC][2 * C];
   for (int k = 0; k < HC; ++k)
     for (int c = 0; c < 2 * C; ++c) acc[k][c] = _mm512_setzero_ps();
@@ -311,11 +400,11 @@ inline void pv_pairs(const uint16_t* p_hi, const uint16_t* p_lo, int64_t n2, con
       prefetch_row(vrows[i + 64] + prefetch_off, prefetch_bytes);
       if (i + 65 < n) prefetch_row(vrows[i + 65] + prefetch_off, prefetch_bytes);
     }
-    const uint16_t* v0 = vrows[i] + g_off;
-    const uint16_t* v1 = i + 1 < n ? vrows[i + 1] + g_off : zeros;
+    const KV* v0 = vrows[i] + g_off;
+    const KV* v1 = i + 1 < n ? vrows[i + 1] + g_off : zeros;
     __m512bh lo[C], hi[C];
     for (int c = 0; c < C; ++c) {
-      const __m512i a = load_bf16x32(v0 + 32 * c), b = load_bf16x32(v1 + 32 * c);
+      const __m512i a = bf16x32<KV>(v0 + 32 * c), b = bf16x32<KV>(v1 + 32 * c);
       lo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
       hi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
@@ -347,11 +436,11 @@ inline void pv_pairs(const uint16_t* p_hi, const uint16_t* p_lo, int64_t n2, con
 
 constexpr int64_t kPrefetchNext = 192;
 
-template <int D>
-void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables, int64_t table_stride,
+template <typename KV, int D>
+void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
                       const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t block_size, int64_t num_blocks, float scale, int64_t window, int64_t first_pos,
-                      float* lse) {
+                      float* lse, float k_scale, float v_scale) {
   namespace tf = tokenmill_flash;
   constexpr int C = D / 32;
   constexpr int kMaxHeads = D == 64 ? 4 : 2;     // accumulators of a P . V chunk in registers
@@ -364,8 +453,9 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
   {
     std::vector<float> scores, acc;
     std::vector<uint16_t> q_hi, q_lo, p_hi, p_lo;
-    std::vector<const uint16_t*> krows, vrows;
+    std::vector<const KV*> krows, vrows;
     std::vector<float> inv_sum;
+    alignas(64) uint16_t kbuf[16 * D];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * splits; ++item) {
       const int64_t s = item / splits;
@@ -387,12 +477,12 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
       q_lo.resize(num_heads * D);
       const float* qs = q + s * num_heads * D;
       for (int64_t i = h0 * D; i < h1 * D; ++i) {
-        const float x = qs[i] * scale;
+        const float x = qs[i] * (scale * k_scale);
         q_hi[i] = tf::round_bf16(x);
         q_lo[i] = tf::round_bf16(x - to_float<uint16_t>(q_hi[i]));
       }
       scores.resize(num_heads * n);
-      const int64_t width_bytes = (g1 - g0) * D * 2;
+      const int64_t width_bytes = (g1 - g0) * D * static_cast<int64_t>(sizeof(KV));
       // The K pass streams its rows 64 positions ahead (the first 64 up front: issued together,
       // their misses overlap) and pulls each V row into L2 behind it, so P . V reads no DRAM.
       for (int64_t i = 0; i < std::min<int64_t>(n, 64); ++i) prefetch_row(krows[i] + g0 * D, width_bytes);
@@ -402,28 +492,39 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
           if (t0 + j + 64 < n) prefetch_row(krows[t0 + j + 64] + g0 * D, width_bytes);
           prefetch_row_l2(vrows[t0 + j] + g0 * D, width_bytes);
         }
-        for (int64_t h = h0; h < h1; ++h) {
-          const int64_t off = (h / group) * D;
-          __m512bh qh[C], ql[C];
-          for (int c = 0; c < C; ++c) {
-            qh[c] = (__m512bh)load_bf16x32(q_hi.data() + h * D + 32 * c);
-            ql[c] = (__m512bh)load_bf16x32(q_lo.data() + h * D + 32 * c);
-          }
-          __m512 dots[16];
-          for (int j = 0; j < 16; ++j) {
-            if (j < cnt) {
-              const uint16_t* k = krows[t0 + j] + off;
-              __m512 a = _mm512_setzero_ps();
-              for (int c = 0; c < C; ++c) {
-                const __m512bh kc = (__m512bh)load_bf16x32(k + 32 * c);
-                a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a, qh[c], kc), ql[c], kc);
-              }
-              dots[j] = a;
+        for (int64_t g = g0; g < g1; ++g) {
+          // This KV head's rows of the chunk as bf16: a bf16 cache's in place, an fp8 cache's
+          // widened once into kbuf for all the group's query heads.
+          const uint16_t* kr[16];
+          for (int j = 0; j < cnt; ++j) {
+            if constexpr (std::is_same<KV, uint16_t>::value) {
+              kr[j] = krows[t0 + j] + g * D;
             } else {
-              dots[j] = _mm512_setzero_ps();
+              for (int c = 0; c < C; ++c) _mm512_store_si512(kbuf + j * D + 32 * c, bf16x32<KV>(krows[t0 + j] + g * D + 32 * c));
+              kr[j] = kbuf + j * D;
             }
           }
-          _mm512_mask_storeu_ps(scores.data() + h * n + t0, static_cast<__mmask16>((1u << cnt) - 1), sum16(dots));
+          for (int64_t h = std::max(h0, g * group); h < std::min(h1, (g + 1) * group); ++h) {
+            __m512bh qh[C], ql[C];
+            for (int c = 0; c < C; ++c) {
+              qh[c] = (__m512bh)bf16x32<uint16_t>(q_hi.data() + h * D + 32 * c);
+              ql[c] = (__m512bh)bf16x32<uint16_t>(q_lo.data() + h * D + 32 * c);
+            }
+            __m512 dots[16];
+            for (int j = 0; j < 16; ++j) {
+              if (j < cnt) {
+                __m512 a = _mm512_setzero_ps();
+                for (int c = 0; c < C; ++c) {
+                  const __m512bh kc = (__m512bh)bf16x32<uint16_t>(kr[j] + 32 * c);
+                  a = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a, qh[c], kc), ql[c], kc);
+                }
+                dots[j] = a;
+              } else {
+                dots[j] = _mm512_setzero_ps();
+              }
+            }
+            _mm512_mask_storeu_ps(scores.data() + h * n + t0, static_cast<__mmask16>((1u << cnt) - 1), sum16(dots));
+          }
         }
       }
       // Softmax in float32; the unnormalized probabilities (<= 1) as hi + lo bf16 halves, each
@@ -441,7 +542,7 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
           sh[i] = std::exp(sh[i] - mx);
           sum += sh[i];
         }
-        inv_sum[h - h0] = 1.0f / sum;
+        inv_sum[h - h0] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
         uint16_t* ph = p_hi.data() + (h - h0) * n2;
         uint16_t* pl = p_lo.data() + (h - h0) * n2;
@@ -460,7 +561,7 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
         const int32_t* table2 = tables + s2 * table_stride;
         for (int64_t t = start2; t < std::min<int64_t>(len2, start2 + kPrefetchNext); ++t)
           prefetch_row_l2(kv + (static_cast<int64_t>(table2[t / block_size]) * block_size + t % block_size) * row,
-                          row * 2);
+                          row * static_cast<int64_t>(sizeof(KV)));
       }
       acc.resize(num_heads * D);
       for (int64_t g = g0; g < g1; ++g) {
@@ -472,10 +573,10 @@ void decode_bf16_dots(const float* q, const uint16_t* kv, const int32_t* tables,
           float* a = acc.data() + h * D;
           const int64_t first = h == h0 ? width_bytes : 0;
           switch (chunk) {
-            case 4: pv_pairs<D, (kMaxHeads >= 4 ? 4 : 1)>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
-            case 3: pv_pairs<D, (kMaxHeads >= 3 ? 3 : 1)>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
-            case 2: pv_pairs<D, 2>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
-            default: pv_pairs<D, 1>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
+            case 4: pv_pairs<KV, D, (kMaxHeads >= 4 ? 4 : 1)>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
+            case 3: pv_pairs<KV, D, (kMaxHeads >= 3 ? 3 : 1)>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
+            case 2: pv_pairs<KV, D, 2>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
+            default: pv_pairs<KV, D, 1>(ph, pl, n2, vrows.data(), n, g * D, a, g0 * D, first); break;
           }
           h += chunk;
         }
@@ -492,27 +593,27 @@ template <typename KV>
 void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
               const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-              float scale, int64_t window, int64_t first_pos, float* lse) {
+              float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same<KV, uint16_t>::value) {
+  if constexpr (!std::is_same<KV, float>::value) {     // bf16 and fp8 caches
     if (head_size == 64)
-      return decode_bf16_dots<64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                                  block_size, num_blocks, scale, window, first_pos, lse);
+      return decode_bf16_dots<KV, 64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
+                                      block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
     if (head_size == 128)
-      return decode_bf16_dots<128>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                                   block_size, num_blocks, scale, window, first_pos, lse);
+      return decode_bf16_dots<KV, 128>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
+                                       block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
   }
 #endif
   switch (head_size) {
     case 64:
       return decode<KV, 64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                            head_size, block_size, num_blocks, scale, window, first_pos, lse);
+                            head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
     case 128:
       return decode<KV, 128>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                             head_size, block_size, num_blocks, scale, window, first_pos, lse);
+                             head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
     default:
       return decode<KV, 0>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                           head_size, block_size, num_blocks, scale, window, first_pos, lse);
+                           head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
   }
 }
 
@@ -525,7 +626,7 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
 template <typename KV, int D>
 void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t prefix_len, int64_t block_size,
                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset, float scale,
-                   float* out, float* lse) {
+                   float* out, float* lse, float k_scale, float v_scale) {
   constexpr int C = D / 16;
   constexpr int64_t kTile = 16;
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * D;
@@ -541,7 +642,7 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
       const int64_t nr = std::min(kTile, rows_per_head - r0);
       for (int64_t r = 0; r < nr; ++r) {     // row r0 + r = (sequence, head in group)
         const int64_t s = (r0 + r) / group, h = g * group + (r0 + r) % group;
-        for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q[(s * num_heads + h) * D + d] * scale;
+        for (int64_t d = 0; d < D; ++d) qt[r * D + d] = q[(s * num_heads + h) * D + d] * (scale * k_scale);
         m[r] = -1e30f;   // finite: -ffast-math assumes no infinities
         l[r] = 0.0f;
       }
@@ -613,7 +714,7 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
       }
       for (int64_t r = 0; r < nr; ++r) {
         const int64_t s = (r0 + r) / group, h = g * group + (r0 + r) % group;
-        const float inv = 1.0f / l[r];
+        const float inv = v_scale / l[r];
         for (int64_t d = 0; d < D; ++d) out[(s * num_heads + h) * D + d] = acc[r * D + d] * inv;
         lse[s * num_heads + h] = m[r] + std::log(l[r]);
       }
@@ -629,10 +730,10 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
 // where the CPU has them, else AVX512-BF16 tiles of 8. 64 rows x 512 shared positions (W3) was
 // the float32 kernel's 14-20 % of a run; on a 2-core EPYC without AMX a layer's prefix took
 // 0.38 ms there. False where neither can run (the caller keeps the float32 kernel).
-template <int D>
-bool shared_prefix_bf16(const float* q, const uint16_t* kv, const int32_t* blocks, int64_t prefix_len,
+template <typename KV, int D>
+bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int64_t prefix_len,
                         int64_t block_size, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset,
-                        float scale, float* out, float* lse) {
+                        float scale, float* out, float* lse, float k_scale, float v_scale) {
   namespace tf = tokenmill_flash;
   const bool amx = tf::kHasAmx && tf::amx_ready();
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * D, rows = num_seqs * group;
@@ -643,8 +744,17 @@ bool shared_prefix_bf16(const float* q, const uint16_t* kv, const int32_t* block
   vflat.resize(prefix_len * row);
   for (int64_t b = 0; b * block_size < prefix_len; ++b) {      // prefix_len: whole blocks
     const int64_t n = std::min(block_size, prefix_len - b * block_size) * row;
-    std::memcpy(kflat.data() + b * block_size * row, kv + blocks[b] * block_size * row, n * 2);
-    std::memcpy(vflat.data() + b * block_size * row, kv + v_offset + blocks[b] * block_size * row, n * 2);
+    const KV* k = kv + blocks[b] * block_size * row;
+    const KV* v = k + v_offset;
+    if constexpr (std::is_same<KV, uint16_t>::value) {
+      std::memcpy(kflat.data() + b * block_size * row, k, n * 2);
+      std::memcpy(vflat.data() + b * block_size * row, v, n * 2);
+    } else {        // fp8: widened to bf16 exactly (32 values a row chunk; rows are multiples of 32)
+      for (int64_t i = 0; i < n; i += 32) {
+        _mm512_storeu_si512(kflat.data() + b * block_size * row + i, bf16x32<KV>(k + i));
+        _mm512_storeu_si512(vflat.data() + b * block_size * row + i, bf16x32<KV>(v + i));
+      }
+    }
   }
   kp.assign(num_kv_heads * head + tf::kKeys * D, 0);      // + a zero block: AMX passes read two blocks
   vp.assign(num_kv_heads * head + tf::kKeys * D, 0);
@@ -667,20 +777,20 @@ bool shared_prefix_bf16(const float* q, const uint16_t* kv, const int32_t* block
     const int64_t g = item / tiles, i0 = (item % tiles) * tile_rows;
     (amx ? tf::attend_tile_amx<D, float> : tf::attend_tile<D, float>)(
         qd + g * rows * D, D, kd + g * head, vd + g * head, od + g * rows * D, D, 0, i0, std::min(tile_rows, rows - i0),
-        prefix_len, scale, 0, false, ld + g * rows, rows);
+        prefix_len, scale * k_scale, 0, false, ld + g * rows, rows);
   }
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = (r / group) * num_heads + g * group + r % group;
-      std::memcpy(out + i * D, ob.data() + (g * rows + r) * D, D * sizeof(float));
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] = ob[(g * rows + r) * D + d] * v_scale;
       lse[i] = lb[g * rows + r];
     }
   return true;
 }
 #else
-template <int D>
-bool shared_prefix_bf16(const float*, const uint16_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, float, float*, float*) {
+template <typename KV, int D>
+bool shared_prefix_bf16(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, float, float*, float*, float, float) {
   return false;
 }
 #endif
@@ -707,7 +817,8 @@ template <typename KV>
 void write_and_attend(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
                       const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
+                      int64_t block_size, int64_t num_blocks, float scale, int64_t window, float k_scale,
+                      float v_scale) {
   KV* kv = static_cast<KV*>(kv_cache);
   const int64_t row = num_kv_heads * head_size;
   const int64_t v_offset = num_blocks * block_size * row;
@@ -715,8 +826,8 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     KV* kd = kv + slots[s] * row;
     KV* vd = kv + v_offset + slots[s] * row;
     for (int64_t i = 0; i < row; ++i) {
-      kd[i] = from_float<KV>(k[s * row + i]);
-      vd[i] = from_float<KV>(v[s * row + i]);
+      kd[i] = from_float<KV>(k[s * row + i] / k_scale);    // scales are 1 but for fp8 caches
+      vd[i] = from_float<KV>(v[s * row + i] / v_scale);
     }
   }
 #if defined(__AVX512F__)
@@ -730,20 +841,21 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     lse_prefix.resize(n);
     lse_own.resize(n);
     bool on_tiles = false;
-    if constexpr (std::is_same<KV, uint16_t>::value)
+    if constexpr (!std::is_same<KV, float>::value)      // bf16 and fp8 caches
       on_tiles = head_size == 64
-                     ? shared_prefix_bf16<64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
-                                              v_offset, scale, part.data(), lse_prefix.data())
-                     : shared_prefix_bf16<128>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
-                                               v_offset, scale, part.data(), lse_prefix.data());
+                     ? shared_prefix_bf16<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
+                                                  v_offset, scale, part.data(), lse_prefix.data(), k_scale, v_scale)
+                     : shared_prefix_bf16<KV, 128>(q, kv, tables, prefix, block_size, num_seqs, num_heads,
+                                                   num_kv_heads, v_offset, scale, part.data(), lse_prefix.data(),
+                                                   k_scale, v_scale);
     if (!on_tiles && head_size == 64)
       shared_prefix<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
-                            part.data(), lse_prefix.data());
+                            part.data(), lse_prefix.data(), k_scale, v_scale);
     else if (!on_tiles)
       shared_prefix<KV, 128>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
-                             part.data(), lse_prefix.data());
+                             part.data(), lse_prefix.data(), k_scale, v_scale);
     dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-                 num_blocks, scale, 0, prefix, lse_own.data());
+                 num_blocks, scale, 0, prefix, lse_own.data(), k_scale, v_scale);
     for (int64_t i = 0; i < n; ++i) {
       const float top = std::max(lse_prefix[i], lse_own[i]);
       const float wp = std::exp(lse_prefix[i] - top), wo = std::exp(lse_own[i] - top);
@@ -755,48 +867,46 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
   }
 #endif
   dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-               num_blocks, scale, window, 0, nullptr);
+               num_blocks, scale, window, 0, nullptr, k_scale, v_scale);
 }
 
 }  // namespace
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 2; }
+int tokenmill_kernels_abi_version() { return 3; }
 
-void paged_decode_f32(const float* q, const float* kv, const int32_t* tables, int64_t table_stride,
-                      const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-                      float scale, int64_t window, int64_t first_pos, float* lse) {
-  dispatch<float>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size,
-                  block_size, num_blocks, scale, window, first_pos, lse);
-}
-
-void paged_decode_bf16kv(const float* q, const uint16_t* kv, const int32_t* tables, int64_t table_stride,
-                         const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
-                         int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-                         float scale, int64_t window, int64_t first_pos, float* lse) {
-  dispatch<uint16_t>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size,
-                     block_size, num_blocks, scale, window, first_pos, lse);
-}
+// paged_decode_<cache>: q [num_seqs, num_heads, head_size] float32 attending to positions
+// [first_pos, lens[s]) (and the window) of a cache of float32, bf16 or fp8 values; an fp8 cache
+// reads stored * k_scale / v_scale (1 for the others). lse optional.
+#define TOKENMILL_PAGED_DECODE(NAME, KV)                                                                      \
+  void NAME(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride, const int32_t* lens,     \
+            float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,           \
+            int64_t block_size, int64_t num_blocks, float scale, int64_t window, int64_t first_pos, float* lse, \
+            float k_scale, float v_scale) {                                                                     \
+    dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size,         \
+                 block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);                      \
+  }
+TOKENMILL_PAGED_DECODE(paged_decode_f32, float)
+TOKENMILL_PAGED_DECODE(paged_decode_bf16kv, uint16_t)
+TOKENMILL_PAGED_DECODE(paged_decode_fp8e4m3, E4M3)
+TOKENMILL_PAGED_DECODE(paged_decode_fp8e5m2, E5M2)
 
 // NATIVE_DECODE_ABI (attention_backends/interface.py), what fused decode steps call per layer:
-// write each sequence's new K/V row [num_seqs, num_kv_heads, head_size] (float32) to its slot,
-// then paged_decode over [0, lens). The cache is float32 or bfloat16 (rounded to nearest even).
-void paged_attend_f32(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
-                      const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
-                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
-  write_and_attend<float>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,
-                          num_kv_heads, head_size, block_size, num_blocks, scale, window);
-}
-
-void paged_attend_bf16kv(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
-                         const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
-                         int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                         int64_t block_size, int64_t num_blocks, float scale, int64_t window) {
-  write_and_attend<uint16_t>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,
-                             num_kv_heads, head_size, block_size, num_blocks, scale, window);
-}
+// write each sequence's new K/V row [num_seqs, num_kv_heads, head_size] (float32) to its slot
+// (bf16 rounded to nearest even; fp8 as k / k_scale, v / v_scale, saturated), then
+// paged_decode over [0, lens).
+#define TOKENMILL_PAGED_ATTEND(NAME, KV)                                                                        \
+  void NAME(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,               \
+            const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out, int64_t num_seqs,     \
+            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks, \
+            float scale, int64_t window, float k_scale, float v_scale) {                                        \
+    write_and_attend<KV>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,        \
+                         num_kv_heads, head_size, block_size, num_blocks, scale, window, k_scale, v_scale);     \
+  }
+TOKENMILL_PAGED_ATTEND(paged_attend_f32, float)
+TOKENMILL_PAGED_ATTEND(paged_attend_bf16kv, uint16_t)
+TOKENMILL_PAGED_ATTEND(paged_attend_fp8e4m3, E4M3)
+TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
 
 }  // extern "C"

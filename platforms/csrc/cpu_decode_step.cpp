@@ -56,7 +56,8 @@ constexpr int64_t kParallelRows = 8;
 typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
                          const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                         int64_t block_size, int64_t num_blocks, float scale, int64_t window);
+                         int64_t block_size, int64_t num_blocks, float scale, int64_t window, float k_scale,
+                         float v_scale);
 
 }  // namespace
 
@@ -81,6 +82,7 @@ struct FusedLayer {
   FusedLinear qkv, o, gate_up, down;
   void* kv_cache;
   int64_t window;           // sliding window, 0 = none
+  float k_scale, v_scale;   // an fp8 cache's per-tensor scales (1 for other caches)
 };
 
 struct FusedModel {
@@ -752,7 +754,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 3; }
+int tokenmill_kernels_abi_version() { return 4; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI); bit 1: BF16 matmuls (AVX512-BF16); bit 2: those on
 // AMX tiles.
@@ -881,7 +883,8 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
       }
     }
     attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, slots, tables, table_stride, lens, s.attn.data(),
-           tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, m->attn_scale, layer.window);
+           tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, m->attn_scale, layer.window,
+           layer.k_scale, layer.v_scale);
     matmul(layer.o, s.attn.data(), tokens, s.proj.data(), s.in);
 #pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
