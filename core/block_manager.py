@@ -156,10 +156,14 @@ class BlockManager:
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds. With nothing cached left, the free
+        list's order carries no LRU meaning: it becomes ascending block ids, as in a new pool, so
+        the sequences that follow get neighbouring blocks (a CPU's prefetchers follow a
+        sequence's K/V from block to block; the order earlier runs left was scattered)."""
         for block_id in list(self.free_blocks):
             if self.blocks[block_id].hash is not None:
                 self._evict(block_id)
-                self.free_blocks.move_to_end(block_id, last=False)
+        self.free_blocks = OrderedDict((i, None) for i in sorted(self.free_blocks))
 
     def _release(self, block_id: int) -> None:
         """Back on the free list: at the end (evicted last) when it holds a cached block, else at

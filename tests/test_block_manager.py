@@ -165,3 +165,28 @@ def test_small_pool_forces_preemption_and_everything_finishes():
     sched = _simulate(ops, num_blocks=8, block_size=4, budget=32, policy="fcfs", prefix=True)
     assert sched.num_preemptions > 0
     assert not sched.running and not sched.waiting
+
+
+def test_reset_prefix_cache_forgets_and_hands_out_neighbouring_blocks():
+    """After runs that interleaved their sequences' blocks, a reset forgets every cached block no
+    sequence holds and the next sequence gets ascending, neighbouring blocks (as in a new pool);
+    a block still held stays out of the free list and keeps its hash."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    seqs = [make_seq(list(range(100 * i, 100 * i + 4)), rid=str(i)) for i in range(4)]
+    for _ in range(3):                          # decode-like growth: blocks interleave across sequences
+        for seq in seqs:
+            bm.allocate(seq, 4)
+            seq.num_computed_tokens += 4
+            seq.token_ids.extend([7] * 4)
+    held = seqs[0]
+    for seq in seqs[1:]:
+        bm.cache_full_blocks(seq)
+        bm.free(seq)
+    bm.reset_prefix_cache()
+    assert all(bm.blocks[b].hash is None for b in bm.free_blocks)
+    assert list(bm.free_blocks) == sorted(bm.free_blocks)
+    assert not set(held.block_table) & set(bm.free_blocks) and all(bm.blocks[b].ref_count for b in held.block_table)
+    fresh = make_seq(list(range(1000, 1016)), rid="fresh")
+    bm.allocate(fresh, 16)
+    assert fresh.block_table == [b for b in range(32) if b not in held.block_table][:4]
+    bm.check_invariants([held, fresh])
