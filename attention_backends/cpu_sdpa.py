@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from . import cpu_flash_prefill, cpu_paged_decode
 from .cpu_sdpa_plans import _gather_blocks, _step_cache
-from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, write_kv
+from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, to_kv, write_kv
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,8 +299,6 @@ class CpuSdpaAttention(AttentionBackend):
         widen = q.dtype == torch.float32
         if widen:
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        else:                                           # fp8 caches' reads are float32
-            k, v = k.to(q.dtype), v.to(q.dtype)
         if cpu_flash_prefill.torch_kernel_is_faster():
             out = cpu_flash_prefill.torch_flash(q, k, v, self.scale, q_offset, causal, return_lse)
         elif cpu_flash_prefill.covers(q, k, v):
@@ -322,8 +320,6 @@ class CpuSdpaAttention(AttentionBackend):
         widen = q.dtype == torch.float32
         if widen:
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        else:                                           # fp8 caches' reads are float32
-            k, v = k.to(q.dtype), v.to(q.dtype)
         if cpu_flash_prefill.torch_kernel_is_faster():
             out = cpu_flash_prefill.torch_flash_batch(q, k, v, self.scale, starts, causal, return_lse)
         elif cpu_flash_prefill.covers(q, k, v):
@@ -339,14 +335,14 @@ class CpuSdpaAttention(AttentionBackend):
         return cache_dtype == torch.bfloat16 or (cache_dtype in FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float32))
 
     def _as_cached(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype):
-        """K/V as attention reads them from an fp8 cache (stored * scale): gathered fp8 blocks
-        read, new activations written and read back (their bf16 rounding is then exact for
-        scale 1); other caches: unchanged."""
+        """K/V as attention reads them from an fp8 cache (stored * scale), in bf16 for the flash
+        kernels (exact for scale 1: every fp8 value is a bf16 value): gathered fp8 blocks read,
+        new activations stored and read back; other caches: unchanged."""
         if cache_dtype not in FP8_DTYPES:
             return k, v
-        if k.dtype in FP8_DTYPES:
-            return from_kv(k, torch.float32, self.k_scale), from_kv(v, torch.float32, self.v_scale)
-        return kv_round_trip(k.float(), cache_dtype, self.k_scale), kv_round_trip(v.float(), cache_dtype, self.v_scale)
+        if k.dtype not in FP8_DTYPES:
+            k, v = to_kv(k, cache_dtype, self.k_scale), to_kv(v, cache_dtype, self.v_scale)
+        return from_kv(k, torch.bfloat16, self.k_scale), from_kv(v, torch.bfloat16, self.v_scale)
 
     def _read(self, kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gathered cache blocks [2, ...] as `dtype` (an fp8 cache times its k/v scales)."""
