@@ -288,6 +288,19 @@ void pv_scores(const float*, int64_t, const KV*, const int32_t*, int64_t, int64_
                int64_t, int64_t, float*, float*) {}
 #endif
 
+// row[i] = exp(row[i] - max) over n scores; returns their sum, the maximum in mx.
+inline float exp_row(float* row, int64_t n, float& mx) {
+  mx = row[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, row[i]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    row[i] = std::exp(row[i] - mx);
+    sum += row[i];
+  }
+  return sum;
+}
+
 template <typename KV, int D>
 void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
@@ -346,14 +359,8 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
       }
       for (int64_t h = h0; h < h1; ++h) {
         float* sh = scores.data() + h * n;
-        float mx = sh[0];
-        for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sh[i] = std::exp(sh[i] - mx);
-          sum += sh[i];
-        }
+        float mx;
+        const float sum = exp_row(sh, n, mx);
         inv_sum[h] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
       }
@@ -534,14 +541,8 @@ void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64
       inv_sum.resize(h1 - h0);
       for (int64_t h = h0; h < h1; ++h) {
         float* sh = scores.data() + h * n;
-        float mx = sh[0];
-        for (int64_t i = 1; i < n; ++i) mx = std::max(mx, sh[i]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          sh[i] = std::exp(sh[i] - mx);
-          sum += sh[i];
-        }
+        float mx;
+        const float sum = exp_row(sh, n, mx);
         inv_sum[h - h0] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
         uint16_t* ph = p_hi.data() + (h - h0) * n2;
