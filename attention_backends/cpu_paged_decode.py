@@ -15,12 +15,15 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # The cache dtypes the kernel reads, by the suffix of their entries (fp8 caches as their bytes).
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16kv", torch.float8_e4m3fn: "fp8e4m3",
            torch.float8_e5m2: "fp8e5m2"}
 KV_DTYPES = tuple(_SUFFIX)
+# The caches paged_prefill reads (bf16 tiles: every fp8 value is a bf16 value).
+_PREFILL_SUFFIXES = ("bf16kv", "fp8e4m3", "fp8e5m2")
+PREFILL_HEAD_SIZES = (64, 128)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -30,6 +33,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         decode.argtypes = [p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64, i64, p, f32, f32]
         decode.restype = None
         getattr(lib, f"paged_attend_{suffix}").restype = None
+        if suffix in _PREFILL_SUFFIXES:
+            prefill = getattr(lib, f"paged_prefill_{suffix}")
+            prefill.argtypes = [p, i64, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32, f32]
+            prefill.restype = i64
 
 
 LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "paged_decode.cpp", ABI_VERSION, _declare)
@@ -75,3 +82,52 @@ def native_attend_address(kv_dtype: torch.dtype) -> Optional[int]:
     lib = LIBRARY.require()
     suffix = _SUFFIX.get(kv_dtype)
     return ctypes.cast(getattr(lib, f"paged_attend_{suffix}"), ctypes.c_void_p).value if suffix else None
+
+
+_prefill_runs_here: Optional[bool] = None     # None until the first call says
+
+
+def prefill_may_run() -> bool:
+    """False once paged_prefill has found that it does not run here."""
+    return _prefill_runs_here is not False
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  starts: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                  out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Causal attention of prompt chunks whose K/V are already written to a bf16 or fp8 cache
+    [2, num_blocks, block_size, Hkv, D]: chunk s is rows starts[s] .. starts[s + 1] - 1 of q
+    [T, H, D] (float32 or bf16), its last query at position seq_lens[s] - 1; block_tables [S, W]
+    its blocks. A prefix of blocks every chunk shares is read once (cascade), and each chunk's
+    positions follow it in one online softmax (no merge). q's rows may be strided (a view of a
+    fused QKV output). Returns `out` (or a new [T, H, D] in q's dtype), or None where the kernel
+    does not run (no AVX512-BF16, an AMX host: cpu_sdpa keeps its flash path)."""
+    global _prefill_runs_here
+    if _prefill_runs_here is False:
+        return None
+    suffix = _SUFFIX.get(kv_cache.dtype)
+    if suffix not in _PREFILL_SUFFIXES or q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"paged_prefill takes float32 or bf16 queries and a bf16 or fp8 cache, "
+                         f"got {q.dtype} and {kv_cache.dtype}")
+    total, num_heads, head_size = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    if head_size not in PREFILL_HEAD_SIZES or num_heads % num_kv_heads:
+        raise ValueError(f"paged_prefill: head size {head_size} (one of {PREFILL_HEAD_SIZES}) with "
+                         f"{num_heads} query heads over {num_kv_heads} KV heads")
+    if q.stride(2) != 1 or q.stride(1) != head_size:
+        q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    starts = starts.to(torch.int64).contiguous()
+    if starts.numel() != lens.numel() + 1 or int(starts[0]) != 0 or int(starts[-1]) != total:
+        raise ValueError(f"paged_prefill: starts must run from 0 to the {total} query rows, one chunk a sequence")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"paged_prefill: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
+    rc = getattr(LIBRARY.require(), f"paged_prefill_{suffix}")(
+        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        lens.data_ptr(), starts.data_ptr(), out.data_ptr(), lens.numel(), num_heads, num_kv_heads, head_size,
+        block_size, num_blocks, float(scale), float(k_scale), float(v_scale))
+    _prefill_runs_here = rc == 0
+    return out if rc == 0 else None

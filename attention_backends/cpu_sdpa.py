@@ -78,6 +78,15 @@ class CpuSdpaAttention(AttentionBackend):
         if nd:
             out[:nd] = self._decode(query[:nd], kv_cache, metadata, step)
         qsl = metadata.query_start_loc_cpu
+        if metadata.num_seqs > nd and self._paged_prefill_ok(query, kv_cache, metadata):
+            # every prompt chunk of the step in one native call reading the cache
+            start = qsl[nd]
+            done = cpu_paged_decode.paged_prefill(
+                query[start:num_tokens], kv_cache, metadata.block_tables[nd:], metadata.seq_lens[nd:],
+                torch.tensor(qsl[nd:], dtype=torch.int64) - start, self.scale, self.k_scale, self.v_scale,
+                out=out[start:num_tokens])
+            if done is not None:
+                return out
         i = nd
         while i < metadata.num_seqs:
             start, end = qsl[i], qsl[i + 1]
@@ -100,6 +109,20 @@ class CpuSdpaAttention(AttentionBackend):
                                                kv_cache, metadata, i)
             i += 1
         return out
+
+    def _paged_prefill_ok(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> bool:
+        """Whether the native paged prefill (cpu_paged_decode.paged_prefill) takes this step's
+        prompt chunks: causal, over a bf16 or fp8 cache, float32 or bf16 activations, head size 64
+        or 128, no window or soft cap, on a CPU where it runs (AVX512-BF16 without AMX). It reads
+        every chunk's keys back from the cache just written (a cached prefix several chunks share
+        once), so no torch conversions of K/V, Q or the output and no partial outputs to merge.
+        int4 + fp8 KV on a 2-core EPYC: W3's step of 63 chunks after its 512-token cached prefix
+        0.69 -> 0.56 s; W1's prompts (max_tokens=1, medians of 5) 2.00 -> 1.76 s."""
+        return (self.sliding_window is None and not self.logits_soft_cap and metadata.causal
+                and kv_cache.dtype in (torch.bfloat16, *FP8_DTYPES)
+                and query.dtype in (torch.float32, torch.bfloat16)
+                and self.head_size in cpu_paged_decode.PREFILL_HEAD_SIZES and kv_cache.is_contiguous()
+                and cpu_paged_decode.available() is None and cpu_paged_decode.prefill_may_run())
 
     def _fresh_run(self, metadata: AttentionMetadata, i: int) -> int:
         """How many sequences from i on are whole prompts (no cached context) of sequence i's length."""

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.attention_backends import cpu_flash_prefill, cpu_paged_decode
 from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
-from tokenmill.attention_backends.interface import from_kv, to_kv
+from tokenmill.attention_backends.interface import build_metadata, from_kv, to_kv
 from tokenmill.platforms import cpu_kernels
 from tokenmill.platforms.cpu import CpuPlatform
 from tokenmill.quantization import cpu_int4
@@ -177,6 +177,85 @@ def test_cpu_sdpa_decode_native_equals_torch_path(monkeypatch, kv_dtype, shared_
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     plain = backend.forward(q, k, v, cache.clone(), _paged(lens, shared_blocks=shared_blocks, dtype=kv_dtype)[2])
     assert (native - plain).abs().max().item() < 1e-5
+
+
+PREFILL_KV = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _prefill_batch(chunks, contexts, shared_blocks, heads, kv_heads, head_size, kv_dtype, seed=0):
+    """Prompt chunks (query lengths) after cached contexts in a random cache [2, 120, 16, Hkv, D]:
+    tables from shuffled blocks, the first `shared_blocks` the same for every chunk."""
+    lens = [c + n for c, n in zip(contexts, chunks)]
+    tables, meta = decode_batch(lens, shared_blocks, num_blocks=120, seed=seed)
+    meta = build_metadata(list(chunks), lens, tables, 16)
+    torch.manual_seed(seed)
+    values = torch.randn(2, 120, 16, kv_heads, head_size)
+    cache = values.bfloat16() if kv_dtype == torch.bfloat16 else to_kv(values, kv_dtype)
+    return cache, tables, meta, lens
+
+
+def _prefill_reference(q, cache, tables, lens, chunks, scale, k_scale=1.0, v_scale=1.0):
+    """Each chunk's queries causally over its sequence's positions, in float64."""
+    kv_heads = cache.shape[3]
+    group = q.shape[1] // kv_heads
+    values = (cache.float() if cache.dtype == torch.bfloat16 else from_kv(cache, torch.float32)).double()
+    out, row = torch.empty(q.shape, dtype=torch.float64), 0
+    for s, (n, chunk) in enumerate(zip(lens, chunks)):
+        kv = torch.cat([values[:, b] for b in tables[s]], dim=1)[:, :n]
+        k = kv[0].repeat_interleave(group, 1) * k_scale               # [n, H, D]
+        v = kv[1].repeat_interleave(group, 1) * v_scale
+        qs = q[row:row + chunk].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        seen = torch.arange(n)[None] <= torch.arange(n - chunk, n)[:, None]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[row:row + chunk] = torch.einsum("hqk,khd->qhd", probs, v)
+        row += chunk
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", PREFILL_KV, ids=str)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shared_blocks,chunks,contexts", [
+    (0, [37], [0]),                          # a fresh prompt reads its own keys back
+    (0, [5, 32, 17], [40, 0, 100]),          # chunks after private context, one fresh
+    (4, [32, 32, 32, 9], [64, 64, 64, 75]),  # W3's shape: chunks after one shared 64-token prefix
+])
+@pytest.mark.parametrize("heads,kv_heads,head_size", [(9, 3, 64), (4, 2, 128)])
+def test_paged_prefill_matches_float64(kv_dtype, q_dtype, shared_blocks, chunks, contexts, heads, kv_heads,
+                                       head_size):
+    """Prompt chunks over a bf16 or fp8 cache, the query rows strided as a fused QKV output's:
+    float64 attention within the bf16 rounding of the query and the probabilities."""
+    cache, tables, meta, lens = _prefill_batch(chunks, contexts, shared_blocks, heads, kv_heads, head_size, kv_dtype)
+    fused = torch.randn(sum(chunks), heads + 2 * kv_heads, head_size).to(q_dtype)
+    q = fused[:, :heads]
+    k_scale, v_scale = (0.5, 2.0) if kv_dtype != torch.bfloat16 else (1.0, 1.0)
+    out = cpu_paged_decode.paged_prefill(q, cache, meta.block_tables, meta.seq_lens,
+                                         torch.tensor(meta.query_start_loc_cpu), 0.125, k_scale, v_scale)
+    if out is None:
+        pytest.skip("paged_prefill does not run on this CPU (no AVX512-BF16, or AMX: flash_prefill's tiles)")
+    assert out.dtype == q_dtype and out.shape == q.shape
+    want = _prefill_reference(q, cache, tables, lens, chunks, 0.125, k_scale, v_scale)
+    assert (out.double() - want).abs().max().item() < 2e-2 * v_scale
+
+
+@pytest.mark.parametrize("kv_dtype", PREFILL_KV, ids=str)
+def test_cpu_sdpa_prefill_native_equals_torch_path(monkeypatch, kv_dtype):
+    """A step of two decodes and three prompt chunks (after a shared prefix, after private
+    context, fresh): the native paged prefill and the torch path agree to bf16 rounding."""
+    chunks, contexts = [1, 1, 32, 32, 20], [90, 120, 64, 64, 0]
+    cache, _, meta, _ = _prefill_batch(chunks, contexts, 4, 9, 3, 64, kv_dtype)
+    tokens = sum(chunks)
+    q, k, v = torch.randn(tokens, 9, 64), torch.randn(tokens, 3, 64), torch.randn(tokens, 3, 64)
+    backend = CpuSdpaAttention(9, 64, 0.125, 3)
+    native_cache = cache.clone()
+    native = backend.forward(q, k, v, native_cache, meta)
+    if not cpu_paged_decode.prefill_may_run():
+        pytest.skip("paged_prefill does not run on this CPU")
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    plain_cache = cache.clone()
+    plain = backend.forward(q, k, v, plain_cache, _prefill_batch(chunks, contexts, 4, 9, 3, 64, kv_dtype)[2])
+    assert torch.equal(native_cache.view(torch.uint8), plain_cache.view(torch.uint8))   # the same writes
+    assert (native - plain).abs().max().item() < 2e-2
 
 
 def test_int8_quantize_and_dequantize_match_torch():

@@ -87,15 +87,16 @@ inline __m512 exp2_bounded(__m512 t) {
 // e^x for x <= 0 (down to kNone: ~0).
 inline __m512 exp_nonpositive(__m512 x) { return exp2_bounded(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
-// Rows [0, rows) of a finished tile: acc / (the sum of the row's lsum lanes) to out (float32, or
-// bf16 rounded to nearest even), and each row's log-sum-exp, its reference maximum m counted in
+// Rows [0, rows) of a finished tile: acc * out_scale / (the sum of the row's lsum lanes) to out
+// (float32, or bf16 rounded to nearest even), and each row's log-sum-exp, its reference maximum m counted in
 // units of m_unit (1: natural log, ln 2: base 2).
 template <int D, typename Out>
 inline void store_rows(const float (*acc)[D], const float (*lsum)[kKeys], const float* m, float m_unit, int64_t rows,
-                       Out* out, int64_t out_stride, int64_t h, int64_t i0, float* lse, int64_t tq) {
+                       Out* out, int64_t out_stride, int64_t h, int64_t i0, float* lse, int64_t tq,
+                       float out_scale = 1.0f) {
   for (int64_t r = 0; r < rows; ++r) {
     const float total = _mm512_reduce_add_ps(_mm512_load_ps(lsum[r]));
-    const float inv = 1.0f / total;
+    const float inv = out_scale / total;
     Out* dst = out + (i0 + r) * out_stride + h * D;
     for (int c = 0; c < D; ++c) {
       if constexpr (std::is_same<Out, float>::value)
@@ -107,29 +108,41 @@ inline void store_rows(const float (*acc)[D], const float (*lsum)[kKeys], const 
   }
 }
 
-// A tile of up to kRows queries of head h on AVX512-BF16 dot products (any CPU this file builds for):
-// flash attention over the packed K/V of its KV head with an online softmax, float32 scores and
-// accumulators, P rounded to bf16 for P.V. Out: bf16 (rounded to nearest even) or float32.
+// A tile of up to kRows queries on AVX512-BF16 dot products (any CPU this file builds for):
+// flash attention with an online softmax, float32 scores and accumulators, P rounded to bf16 for
+// P.V. A tile's keys may come from several packed K/V spans (a cascade's shared prefix, then a
+// chunk's own positions): attend_keys folds each into the same running softmax, so nothing is
+// merged afterwards.
 constexpr int64_t kRows = 8;    // query rows per tile: 8 score accumulators + the K pair
-template <int D, typename Out = uint16_t>
-void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
-                 int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale, int64_t q_offset,
-                 bool causal, float* lse, int64_t tq) {
-  constexpr int C = D / 16, P = D / 2;
+template <int D>
+struct Tile {
   alignas(64) float acc[kRows][D];
   alignas(64) float prob[kRows][2 * kKeys];
   alignas(64) float lsum[kRows][kKeys];   // each row's probability sums, 16 lanes (added up at the end)
   float m[kRows];                         // each row's reference maximum, base 2, a whole number
-  for (int r = 0; r < kRows; ++r) {       // rows past `rows` keep probability 0 throughout
-    m[r] = kNone;
-    for (int c = 0; c < D; ++c) acc[r][c] = 0.0f;
-    for (int j = 0; j < 2 * kKeys; ++j) prob[r][j] = 0.0f;
-    for (int j = 0; j < kKeys; ++j) lsum[r][j] = 0.0f;
+  const int32_t* qrow[kRows];             // bf16 query pairs
+  int64_t rows;
+  // q: row 0's D bf16 values (rows q_stride apart); rows past `rows` repeat the last and keep
+  // probability 0 throughout.
+  Tile(const uint16_t* q, int64_t q_stride, int64_t rows_) : rows(rows_) {
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = kNone;
+      for (int c = 0; c < D; ++c) acc[r][c] = 0.0f;
+      for (int j = 0; j < 2 * kKeys; ++j) prob[r][j] = 0.0f;
+      for (int j = 0; j < kKeys; ++j) lsum[r][j] = 0.0f;
+      qrow[r] = reinterpret_cast<const int32_t*>(q + std::min<int64_t>(r, rows - 1) * q_stride);
+    }
   }
-  const int32_t* qrow[kRows];
-  for (int r = 0; r < kRows; ++r)
-    qrow[r] = reinterpret_cast<const int32_t*>(q + (i0 + std::min<int64_t>(r, rows - 1)) * q_stride + h * D);
-  const int64_t last = causal ? std::min(tk, q_offset + i0 + rows) : tk;     // keys [0, last) can be seen
+};
+
+// Keys [0, tk) of one KV head's packed K/V into the tile's softmax. Causal: row r sees keys
+// <= row0_pos + r (row0_pos: row 0's position counted from this span's first key); else all.
+template <int D>
+void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk, float scale, bool causal,
+                 int64_t row0_pos) {
+  constexpr int C = D / 16, P = D / 2;
+  const int64_t rows = t.rows;
+  const int64_t last = causal ? std::min(tk, row0_pos + rows) : tk;     // keys [0, last) can be seen
   // Scores in base 2 (t = s * scale * log2(e)) against a lazy reference maximum, as
   // attend_tile_amx64 keeps it: a row's reference moves (to the ceiling of its visible maximum,
   // rescaling its accumulators and sums by an exact power of two) only when a score passes it
@@ -148,15 +161,15 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
       __m512bh kz[NB];
       for (int n = 0; n < NB; ++n) kz[n] = (__m512bh)_mm512_loadu_si512(kb + n * kKeys * D + p * kKeys * 2);
       for (int r = 0; r < kRows; ++r) {
-        const __m512bh qp = (__m512bh)_mm512_set1_epi32(qrow[r][p]);
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(t.qrow[r][p]);
         for (int n = 0; n < NB; ++n) s[r][n] = _mm512_dpbf16_ps(s[r][n], qp, kz[n]);
       }
     }
     for (int r = 0; r < rows; ++r) {
-      const int64_t limit = causal ? std::min(tk, q_offset + i0 + r + 1) : tk;   // keys < limit
+      const int64_t limit = causal ? std::min(tk, row0_pos + r + 1) : tk;   // keys < limit
       __mmask16 visible[NB];
       __m512 t2[NB];
-      const __m512 bound = _mm512_set1_ps(m[r] + kLazyLog2);
+      const __m512 bound = _mm512_set1_ps(t.m[r] + kLazyLog2);
       bool moves = false;
       for (int n = 0; n < NB; ++n) {
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>((b + n) * kKeys)));
@@ -165,24 +178,24 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
         moves |= _mm512_mask_cmp_ps_mask(visible[n], t2[n], bound, _CMP_GT_OQ) != 0;
       }
       if (moves) {      // rare after a row's first keys; 2^(kNone - top) ~ 0 on the first pass
-        float top = m[r];
+        float top = t.m[r];
         for (int n = 0; n < NB; ++n)
           if (visible[n]) top = std::max(top, _mm512_mask_reduce_max_ps(visible[n], t2[n]));
         top = std::ceil(top);
-        const __m512 factor = exp2_bounded(_mm512_set1_ps(m[r] - top));
+        const __m512 factor = exp2_bounded(_mm512_set1_ps(t.m[r] - top));
         for (int c = 0; c < C; ++c)
-          _mm512_store_ps(acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(acc[r] + 16 * c), factor));
-        _mm512_store_ps(lsum[r], _mm512_mul_ps(_mm512_load_ps(lsum[r]), factor));
-        m[r] = top;
+          _mm512_store_ps(t.acc[r] + 16 * c, _mm512_mul_ps(_mm512_load_ps(t.acc[r] + 16 * c), factor));
+        _mm512_store_ps(t.lsum[r], _mm512_mul_ps(_mm512_load_ps(t.lsum[r]), factor));
+        t.m[r] = top;
       }
-      const __m512 ref = _mm512_set1_ps(m[r]);
-      __m512 total = _mm512_load_ps(lsum[r]);
+      const __m512 ref = _mm512_set1_ps(t.m[r]);
+      __m512 total = _mm512_load_ps(t.lsum[r]);
       for (int n = 0; n < NB; ++n) {
         const __m512 pr = _mm512_maskz_mov_ps(visible[n], exp2_bounded(_mm512_sub_ps(t2[n], ref)));
         total = _mm512_add_ps(total, pr);
-        _mm512_store_ps(prob[r] + n * kKeys, pr);
+        _mm512_store_ps(t.prob[r] + n * kKeys, pr);
       }
-      _mm512_store_ps(lsum[r], total);
+      _mm512_store_ps(t.lsum[r], total);
     }
     const uint16_t* vb = vp + b * kKeys * D;      // key pairs 8b .. 8b + 8 NB - 1, [d][2] each
     const int64_t pairs = std::min<int64_t>(NB * kKeys / 2, (last - b * kKeys + 1) / 2);
@@ -193,10 +206,10 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
       for (int i = 0; i < 4; ++i)
         for (int n = 0; n < NB; ++n)
           _mm256_store_si256(reinterpret_cast<__m256i*>(pb[i] + n * kKeys),
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(prob[r0 + i] + n * kKeys)));
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(t.prob[r0 + i] + n * kKeys)));
       __m512 o[4][C];
       for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < C; ++c) o[i][c] = _mm512_load_ps(acc[r0 + i] + 16 * c);
+        for (int c = 0; c < C; ++c) o[i][c] = _mm512_load_ps(t.acc[r0 + i] + 16 * c);
       for (int64_t jp = 0; jp < pairs; ++jp) {
         __m512bh vv[C];
         for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vb + (jp * D + 16 * c) * 2);
@@ -206,13 +219,23 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
         }
       }
       for (int i = 0; i < 4; ++i)
-        for (int c = 0; c < C; ++c) _mm512_store_ps(acc[r0 + i] + 16 * c, o[i][c]);
+        for (int c = 0; c < C; ++c) _mm512_store_ps(t.acc[r0 + i] + 16 * c, o[i][c]);
     }
   };
   int64_t b = 0;
   for (; (b + 1) * kKeys < last; b += 2) pass(std::integral_constant<int, 2>(), b);
   if (b * kKeys < last) pass(std::integral_constant<int, 1>(), b);
-  store_rows<D, Out>(acc, lsum, m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
+}
+
+// A tile of up to kRows queries of head h (rows i0 .. i0 + rows - 1, at positions q_offset + i)
+// over one prompt's packed K/V of its KV head. Out: bf16 (rounded to nearest even) or float32.
+template <int D, typename Out = uint16_t>
+void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
+                 int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale, int64_t q_offset,
+                 bool causal, float* lse, int64_t tq) {
+  Tile<D> t(q + i0 * q_stride + h * D, q_stride, rows);
+  attend_keys<D>(t, kp, vp, tk, scale, causal, q_offset + i0);
+  store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
 }
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)

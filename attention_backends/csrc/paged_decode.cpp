@@ -725,6 +725,16 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
 #endif
 
 #if defined(__AVX512BF16__)
+// n cache values (a multiple of 32) as bf16: copied, or fp8 widened exactly.
+template <typename KV>
+inline void widen_bf16(const KV* src, int64_t n, uint16_t* dst) {
+  if constexpr (std::is_same<KV, uint16_t>::value) {
+    std::memcpy(dst, src, n * 2);
+  } else {
+    for (int64_t i = 0; i < n; i += 32) _mm512_storeu_si512(dst + i, bf16x32<KV>(src + i));
+  }
+}
+
 // shared_prefix on bf16 dot products for a bf16 cache: the prefix's blocks gathered and re-laid
 // out once (flash_tiles.h's pair layouts), each KV head's queries (every row's heads of its
 // group, rounded to bf16 as the prompt kernels round them) in tiles over it: AMX tiles of 16
@@ -746,16 +756,8 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
   for (int64_t b = 0; b * block_size < prefix_len; ++b) {      // prefix_len: whole blocks
     const int64_t n = std::min(block_size, prefix_len - b * block_size) * row;
     const KV* k = kv + blocks[b] * block_size * row;
-    const KV* v = k + v_offset;
-    if constexpr (std::is_same<KV, uint16_t>::value) {
-      std::memcpy(kflat.data() + b * block_size * row, k, n * 2);
-      std::memcpy(vflat.data() + b * block_size * row, v, n * 2);
-    } else {        // fp8: widened to bf16 exactly (32 values a row chunk; rows are multiples of 32)
-      for (int64_t i = 0; i < n; i += 32) {
-        _mm512_storeu_si512(kflat.data() + b * block_size * row + i, bf16x32<KV>(k + i));
-        _mm512_storeu_si512(vflat.data() + b * block_size * row + i, bf16x32<KV>(v + i));
-      }
-    }
+    widen_bf16(k, n, kflat.data() + b * block_size * row);
+    widen_bf16(k + v_offset, n, vflat.data() + b * block_size * row);
   }
   kp.assign(num_kv_heads * head + tf::kKeys * D, 0);      // + a zero block: AMX passes read two blocks
   vp.assign(num_kv_heads * head + tf::kKeys * D, 0);
@@ -792,6 +794,111 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
 template <typename KV, int D>
 bool shared_prefix_bf16(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                         int64_t, float, float*, float*, float, float) {
+  return false;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Prompt chunks whose keys are all in the cache (written before the call; a chunk after cached
+// context, or after a prefix other sequences share): chunk s is query rows starts[s] ..
+// starts[s + 1] - 1 of q, at positions lens[s] - n_s + i, attending causally to positions 0 ..
+// its own. The leading blocks every chunk's table shares, before every chunk's first query (W3:
+// 63 chunks of 32 after one 512-token prefix), are gathered and re-laid out once; each chunk's
+// other positions once per chunk. Each (chunk, head, tile of 8 queries) item then runs the
+// AVX512-BF16 tile over the prefix and on over its own positions in one online softmax — no
+// partial outputs to merge, and the query converted to bf16 (float32 activations) here, not by
+// torch. out as q: float32 or bf16. False on AMX hosts (flash_prefill's AMX tiles win there).
+template <typename KV, typename Q, int D>
+bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tables, int64_t table_stride,
+                  const int32_t* lens, const int64_t* starts, Q* out, int64_t num_seqs, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale, float k_scale, float v_scale) {
+  namespace tf = tokenmill_flash;
+  if (tf::kHasAmx && tf::amx_ready()) return false;
+  const int64_t row = num_kv_heads * D, group = num_heads / num_kv_heads, qrow = num_heads * D;
+  int64_t shared = 0;
+  if (num_seqs > 1) {
+    int64_t limit = INT64_MAX;
+    for (int64_t s = 0; s < num_seqs; ++s)
+      limit = std::min<int64_t>(limit, (lens[s] - (starts[s + 1] - starts[s])) / block_size);
+    for (bool same = true; shared < limit && same; shared += same) {
+      for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * table_stride + shared] == tables[shared];
+    }
+  }
+  const int64_t prefix = shared * block_size;
+  // Spans of keys: 0 the shared prefix, 1 + s chunk s's own positions [prefix, lens[s]).
+  const int64_t spans = num_seqs + 1;
+  std::vector<int64_t> first(spans + 1, 0), packed(spans + 1, 0), first_block(spans + 1, 0);
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  auto span_len = [&](int64_t p) { return p == 0 ? prefix : lens[p - 1] - prefix; };
+  for (int64_t p = 0; p < spans; ++p) {
+    const int64_t blocks = (span_len(p) + tf::kKeys - 1) / tf::kKeys;
+    first[p + 1] = first[p] + span_len(p);
+    packed[p + 1] = packed[p] + num_kv_heads * blocks * tf::kKeys * D;
+    first_block[p + 1] = first_block[p] + num_kv_heads * blocks;
+  }
+  for (int64_t s = 0; s < num_seqs; ++s)
+    first_item[s + 1] = first_item[s] + num_heads * ((starts[s + 1] - starts[s] + tf::kRows - 1) / tf::kRows);
+  thread_local std::vector<uint16_t> kflat, vflat, kp, vp, qb;
+  kflat.resize(first[spans] * row);
+  vflat.resize(first[spans] * row);
+  kp.assign(packed[spans], 0);
+  vp.assign(packed[spans], 0);
+  const bool widen_q = std::is_same<Q, float>::value;
+  if (widen_q) qb.resize(starts[num_seqs] * qrow);
+  const int64_t qb_stride = widen_q ? qrow : q_stride;
+  // Plain pointers: inside the parallel loops a thread_local's name means each worker's own copy.
+  uint16_t *kf = kflat.data(), *vf = vflat.data(), *kd = kp.data(), *vd = vp.data(), *qd = qb.data();
+#pragma omp parallel
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < first[spans]; ++i) {        // gather every span's rows
+      const int64_t p = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      const int64_t pos = (p == 0 ? 0 : prefix) + i - first[p];
+      const int32_t* table = tables + (p == 0 ? 0 : (p - 1) * table_stride);
+      const KV* k = kv + (table[pos / block_size] * block_size + pos % block_size) * row;
+      widen_bf16(k, row, kf + i * row);
+      widen_bf16(k + v_offset, row, vf + i * row);
+    }
+    if constexpr (std::is_same<Q, float>::value) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < starts[num_seqs]; ++i)
+        for (int64_t c = 0; c < qrow; ++c) qd[i * qrow + c] = tf::round_bf16(q[i * q_stride + c]);
+    } else {
+#pragma omp barrier
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < first_block[spans]; ++item) {     // re-lay out every span's blocks
+      const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), item) - first_block.begin() - 1;
+      const int64_t blocks = (span_len(p) + tf::kKeys - 1) / tf::kKeys, local = item - first_block[p];
+      tf::pack_kv_block(kf + first[p] * row, row, vf + first[p] * row, row, span_len(p), D, local / blocks,
+                        local % blocks, kd + packed[p], vd + packed[p]);
+    }
+  }
+  const uint16_t* qbf = widen_q ? qd : reinterpret_cast<const uint16_t*>(q);
+  const int64_t head0 = packed[1] / num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t item = 0; item < first_item[num_seqs]; ++item) {
+    // Items of one chunk are consecutive; within it, its last tiles first (they see more keys).
+    const int64_t s = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const int64_t n = starts[s + 1] - starts[s], tiles = (n + tf::kRows - 1) / tf::kRows;
+    const int64_t local = item - first_item[s];
+    const int64_t tile = tiles - 1 - local / num_heads, h = local % num_heads, g = h / group;
+    const int64_t i0 = tile * tf::kRows, rows = std::min(tf::kRows, n - i0);
+    tf::Tile<D> t(qbf + (starts[s] + i0) * qb_stride + h * D, qb_stride, rows);
+    if (prefix > 0) tf::attend_keys<D>(t, kd + g * head0, vd + g * head0, prefix, scale * k_scale, false, 0);
+    const int64_t own = (packed[s + 2] - packed[s + 1]) / num_kv_heads;
+    tf::attend_keys<D>(t, kd + packed[s + 1] + g * own, vd + packed[s + 1] + g * own, lens[s] - prefix,
+                       scale * k_scale, true, lens[s] - n - prefix + i0);
+    using Out = typename std::conditional<std::is_same<Q, float>::value, float, uint16_t>::type;
+    tf::store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows,
+                           reinterpret_cast<Out*>(out) + starts[s] * qrow, qrow, h, i0, nullptr, 0, v_scale);
+  }
+  return true;
+}
+#else
+template <typename KV, typename Q, int D>
+bool prefill_bf16(const Q*, int64_t, const KV*, const int32_t*, int64_t, const int32_t*, const int64_t*, Q*,
+                  int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float) {
   return false;
 }
 #endif
@@ -875,7 +982,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 3; }
+int tokenmill_kernels_abi_version() { return 4; }
 
 // paged_decode_<cache>: q [num_seqs, num_heads, head_size] float32 attending to positions
 // [first_pos, lens[s]) (and the window) of a cache of float32, bf16 or fp8 values; an fp8 cache
@@ -909,5 +1016,38 @@ TOKENMILL_PAGED_ATTEND(paged_attend_f32, float)
 TOKENMILL_PAGED_ATTEND(paged_attend_bf16kv, uint16_t)
 TOKENMILL_PAGED_ATTEND(paged_attend_fp8e4m3, E4M3)
 TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
+
+// paged_prefill_<cache>: prompt chunks whose K/V are in a bf16 or fp8 cache (prefill_bf16): q
+// [starts[num_seqs], num_heads, head_size] with rows q_stride elements apart, out the same shape
+// contiguous, both float32 (q_bf16 = 0) or bf16; lens [num_seqs]
+// each chunk's sequence length through its last query. Returns 0, or -1 where this build or CPU
+// does not run it (no AVX512-BF16, an AMX host, head sizes other than 64 and 128).
+#define TOKENMILL_PAGED_PREFILL(NAME, KV)                                                                            \
+  int64_t NAME(const void* q, int64_t q_stride, int64_t q_bf16, const KV* kv, const int32_t* tables,                 \
+               int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,        \
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,   \
+               float scale, float k_scale, float v_scale) {                                                          \
+    const int64_t v_offset = num_blocks * block_size * num_kv_heads * head_size;                                     \
+    if (head_size == 64 && q_bf16)                                                                                   \
+      return prefill_bf16<KV, uint16_t, 64>(static_cast<const uint16_t*>(q), q_stride, kv, tables, table_stride,     \
+                                            lens, starts, static_cast<uint16_t*>(out), num_seqs, num_heads,          \
+                                            num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;   \
+    if (head_size == 64)                                                                                             \
+      return prefill_bf16<KV, float, 64>(static_cast<const float*>(q), q_stride, kv, tables, table_stride, lens,     \
+                                         starts, static_cast<float*>(out), num_seqs, num_heads, num_kv_heads,        \
+                                         block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                    \
+    if (head_size == 128 && q_bf16)                                                                                  \
+      return prefill_bf16<KV, uint16_t, 128>(static_cast<const uint16_t*>(q), q_stride, kv, tables, table_stride,    \
+                                             lens, starts, static_cast<uint16_t*>(out), num_seqs, num_heads,         \
+                                             num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;  \
+    if (head_size == 128)                                                                                            \
+      return prefill_bf16<KV, float, 128>(static_cast<const float*>(q), q_stride, kv, tables, table_stride, lens,    \
+                                          starts, static_cast<float*>(out), num_seqs, num_heads, num_kv_heads,       \
+                                          block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                   \
+    return -1;                                                                                                       \
+  }
+TOKENMILL_PAGED_PREFILL(paged_prefill_bf16kv, uint16_t)
+TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e4m3, E4M3)
+TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e5m2, E5M2)
 
 }  // extern "C"
