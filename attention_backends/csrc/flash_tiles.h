@@ -88,8 +88,8 @@ inline __m512 exp2_bounded(__m512 t) {
 inline __m512 exp_nonpositive(__m512 x) { return exp2_bounded(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
 
 // Rows [0, rows) of a finished tile: acc * out_scale / (the sum of the row's lsum lanes) to out
-// (float32, or bf16 rounded to nearest even), and each row's log-sum-exp, its reference maximum m counted in
-// units of m_unit (1: natural log, ln 2: base 2).
+// (float32, or bf16 rounded to nearest even), and each row's log-sum-exp, its reference maximum
+// m counted in units of m_unit (1: natural log, ln 2: base 2).
 template <int D, typename Out>
 inline void store_rows(const float (*acc)[D], const float (*lsum)[kKeys], const float* m, float m_unit, int64_t rows,
                        Out* out, int64_t out_stride, int64_t h, int64_t i0, float* lse, int64_t tq,

@@ -798,6 +798,24 @@ bool shared_prefix_bf16(const float*, const KV*, const int32_t*, int64_t, int64_
 }
 #endif
 
+// The number of leading blocks every sequence's table shares, each sequence keeping its queries
+// after them (starts: query rows [num_seqs + 1]; null: one query a sequence, a decode batch).
+inline int64_t common_blocks(const int32_t* tables, int64_t table_stride, const int32_t* lens, const int64_t* starts,
+                             int64_t num_seqs, int64_t block_size) {
+  if (num_seqs < 2) return 0;
+  int64_t limit = INT64_MAX;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    limit = std::min<int64_t>(limit, (lens[s] - (starts ? starts[s + 1] - starts[s] : 1)) / block_size);
+  int64_t shared = 0;
+  for (; shared < limit; ++shared) {
+    const int32_t b = tables[shared];
+    bool same = true;
+    for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * table_stride + shared] == b;
+    if (!same) break;
+  }
+  return shared;
+}
+
 #if defined(__AVX512BF16__)
 // Prompt chunks whose keys are all in the cache (written before the call; a chunk after cached
 // context, or after a prefix other sequences share): chunk s is query rows starts[s] ..
@@ -807,24 +825,16 @@ bool shared_prefix_bf16(const float*, const KV*, const int32_t*, int64_t, int64_
 // other positions once per chunk. Each (chunk, head, tile of 8 queries) item then runs the
 // AVX512-BF16 tile over the prefix and on over its own positions in one online softmax — no
 // partial outputs to merge, and the query converted to bf16 (float32 activations) here, not by
-// torch. out as q: float32 or bf16. False on AMX hosts (flash_prefill's AMX tiles win there).
-template <typename KV, typename Q, int D>
-bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tables, int64_t table_stride,
-                  const int32_t* lens, const int64_t* starts, Q* out, int64_t num_seqs, int64_t num_heads,
-                  int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale, float k_scale, float v_scale) {
+// torch. q and out float32 or (q_bf16) bf16. False on AMX hosts (flash_prefill's AMX tiles win there).
+template <typename KV, int D>
+bool prefill_bf16(const void* q, int64_t q_stride, bool q_bf16, const KV* kv, const int32_t* tables,
+                  int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale,
+                  float k_scale, float v_scale) {
   namespace tf = tokenmill_flash;
   if (tf::kHasAmx && tf::amx_ready()) return false;
   const int64_t row = num_kv_heads * D, group = num_heads / num_kv_heads, qrow = num_heads * D;
-  int64_t shared = 0;
-  if (num_seqs > 1) {
-    int64_t limit = INT64_MAX;
-    for (int64_t s = 0; s < num_seqs; ++s)
-      limit = std::min<int64_t>(limit, (lens[s] - (starts[s + 1] - starts[s])) / block_size);
-    for (bool same = true; shared < limit && same; shared += same) {
-      for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * table_stride + shared] == tables[shared];
-    }
-  }
-  const int64_t prefix = shared * block_size;
+  const int64_t prefix = common_blocks(tables, table_stride, lens, starts, num_seqs, block_size) * block_size;
   // Spans of keys: 0 the shared prefix, 1 + s chunk s's own positions [prefix, lens[s]).
   const int64_t spans = num_seqs + 1;
   std::vector<int64_t> first(spans + 1, 0), packed(spans + 1, 0), first_block(spans + 1, 0);
@@ -843,9 +853,9 @@ bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tab
   vflat.resize(first[spans] * row);
   kp.assign(packed[spans], 0);
   vp.assign(packed[spans], 0);
-  const bool widen_q = std::is_same<Q, float>::value;
-  if (widen_q) qb.resize(starts[num_seqs] * qrow);
-  const int64_t qb_stride = widen_q ? qrow : q_stride;
+  if (!q_bf16) qb.resize(starts[num_seqs] * qrow);
+  const int64_t qb_stride = q_bf16 ? q_stride : qrow;
+  const float* qf = static_cast<const float*>(q);
   // Plain pointers: inside the parallel loops a thread_local's name means each worker's own copy.
   uint16_t *kf = kflat.data(), *vf = vflat.data(), *kd = kp.data(), *vd = vp.data(), *qd = qb.data();
 #pragma omp parallel
@@ -859,10 +869,10 @@ bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tab
       widen_bf16(k, row, kf + i * row);
       widen_bf16(k + v_offset, row, vf + i * row);
     }
-    if constexpr (std::is_same<Q, float>::value) {
+    if (!q_bf16) {      // float32 activations: the query rounded to bf16 once
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < starts[num_seqs]; ++i)
-        for (int64_t c = 0; c < qrow; ++c) qd[i * qrow + c] = tf::round_bf16(q[i * q_stride + c]);
+        for (int64_t c = 0; c < qrow; ++c) qd[i * qrow + c] = tf::round_bf16(qf[i * q_stride + c]);
     } else {
 #pragma omp barrier
     }
@@ -874,7 +884,7 @@ bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tab
                         local % blocks, kd + packed[p], vd + packed[p]);
     }
   }
-  const uint16_t* qbf = widen_q ? qd : reinterpret_cast<const uint16_t*>(q);
+  const uint16_t* qbf = q_bf16 ? static_cast<const uint16_t*>(q) : qd;
   const int64_t head0 = packed[1] / num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < first_item[num_seqs]; ++item) {
@@ -889,37 +899,25 @@ bool prefill_bf16(const Q* q, int64_t q_stride, const KV* kv, const int32_t* tab
     const int64_t own = (packed[s + 2] - packed[s + 1]) / num_kv_heads;
     tf::attend_keys<D>(t, kd + packed[s + 1] + g * own, vd + packed[s + 1] + g * own, lens[s] - prefix,
                        scale * k_scale, true, lens[s] - n - prefix + i0);
-    using Out = typename std::conditional<std::is_same<Q, float>::value, float, uint16_t>::type;
-    tf::store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows,
-                           reinterpret_cast<Out*>(out) + starts[s] * qrow, qrow, h, i0, nullptr, 0, v_scale);
+    if (q_bf16)
+      tf::store_rows<D, uint16_t>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows,
+                                  static_cast<uint16_t*>(out) + starts[s] * qrow, qrow, h, i0, nullptr, 0, v_scale);
+    else
+      tf::store_rows<D, float>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows,
+                               static_cast<float*>(out) + starts[s] * qrow, qrow, h, i0, nullptr, 0, v_scale);
   }
   return true;
 }
 #else
-template <typename KV, typename Q, int D>
-bool prefill_bf16(const Q*, int64_t, const KV*, const int32_t*, int64_t, const int32_t*, const int64_t*, Q*,
-                  int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float) {
+template <typename KV, int D>
+bool prefill_bf16(const void*, int64_t, bool, const KV*, const int32_t*, int64_t, const int32_t*, const int64_t*,
+                  void*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float) {
   return false;
 }
 #endif
 
-// The number of leading blocks all rows' tables share, each row keeping at least one position
-// of its own past them; 0 when that prefix is too short to be worth a pass of its own.
+// A decode batch's shared prefix shorter than this is not worth a pass of its own.
 constexpr int64_t kCascadeMinTokens = 128;
-inline int64_t shared_blocks(const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t num_seqs,
-                             int64_t block_size) {
-  if (num_seqs < 2) return 0;
-  int64_t limit = INT64_MAX;
-  for (int64_t s = 0; s < num_seqs; ++s) limit = std::min<int64_t>(limit, (lens[s] - 1) / block_size);
-  int64_t shared = 0;
-  for (; shared < limit; ++shared) {
-    const int32_t b = tables[shared];
-    bool same = true;
-    for (int64_t s = 1; s < num_seqs && same; ++s) same = tables[s * table_stride + shared] == b;
-    if (!same) break;
-  }
-  return shared * block_size >= kCascadeMinTokens ? shared : 0;
-}
 
 template <typename KV>
 void write_and_attend(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,
@@ -939,8 +937,9 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     }
   }
 #if defined(__AVX512F__)
-  const int64_t prefix = window > 0 || (head_size != 64 && head_size != 128)
-                             ? 0 : shared_blocks(tables, table_stride, lens, num_seqs, block_size) * block_size;
+  const int64_t common = window > 0 || (head_size != 64 && head_size != 128)
+                             ? 0 : common_blocks(tables, table_stride, lens, nullptr, num_seqs, block_size) * block_size;
+  const int64_t prefix = common >= kCascadeMinTokens ? common : 0;
   if (prefix > 0) {
     // The prefix once for all rows, each row's own positions after it, merged by log-sum-exp.
     thread_local std::vector<float> part, lse_prefix, lse_own;
@@ -1022,29 +1021,15 @@ TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
 // contiguous, both float32 (q_bf16 = 0) or bf16; lens [num_seqs]
 // each chunk's sequence length through its last query. Returns 0, or -1 where this build or CPU
 // does not run it (no AVX512-BF16, an AMX host, head sizes other than 64 and 128).
-#define TOKENMILL_PAGED_PREFILL(NAME, KV)                                                                            \
-  int64_t NAME(const void* q, int64_t q_stride, int64_t q_bf16, const KV* kv, const int32_t* tables,                 \
-               int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,        \
-               int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,   \
-               float scale, float k_scale, float v_scale) {                                                          \
-    const int64_t v_offset = num_blocks * block_size * num_kv_heads * head_size;                                     \
-    if (head_size == 64 && q_bf16)                                                                                   \
-      return prefill_bf16<KV, uint16_t, 64>(static_cast<const uint16_t*>(q), q_stride, kv, tables, table_stride,     \
-                                            lens, starts, static_cast<uint16_t*>(out), num_seqs, num_heads,          \
-                                            num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;   \
-    if (head_size == 64)                                                                                             \
-      return prefill_bf16<KV, float, 64>(static_cast<const float*>(q), q_stride, kv, tables, table_stride, lens,     \
-                                         starts, static_cast<float*>(out), num_seqs, num_heads, num_kv_heads,        \
-                                         block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                    \
-    if (head_size == 128 && q_bf16)                                                                                  \
-      return prefill_bf16<KV, uint16_t, 128>(static_cast<const uint16_t*>(q), q_stride, kv, tables, table_stride,    \
-                                             lens, starts, static_cast<uint16_t*>(out), num_seqs, num_heads,         \
-                                             num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;  \
-    if (head_size == 128)                                                                                            \
-      return prefill_bf16<KV, float, 128>(static_cast<const float*>(q), q_stride, kv, tables, table_stride, lens,    \
-                                          starts, static_cast<float*>(out), num_seqs, num_heads, num_kv_heads,       \
-                                          block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                   \
-    return -1;                                                                                                       \
+#define TOKENMILL_PAGED_PREFILL(NAME, KV)                                                                           \
+  int64_t NAME(const void* q, int64_t q_stride, int64_t q_bf16, const KV* kv, const int32_t* tables,                \
+               int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,       \
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,  \
+               float scale, float k_scale, float v_scale) {                                                         \
+    const int64_t v_offset = num_blocks * block_size * num_kv_heads * head_size;                                    \
+    auto run = head_size == 64 ? prefill_bf16<KV, 64> : head_size == 128 ? prefill_bf16<KV, 128> : nullptr;         \
+    return run && run(q, q_stride, q_bf16 != 0, kv, tables, table_stride, lens, starts, out, num_seqs, num_heads,   \
+                      num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                        \
   }
 TOKENMILL_PAGED_PREFILL(paged_prefill_bf16kv, uint16_t)
 TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e4m3, E4M3)
