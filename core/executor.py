@@ -2,13 +2,13 @@
 
 * `UniProcExecutor` — tp = pp = 1: the model runner in the engine's own process, as before
   (no extra process, no message per step).
-* `MultiprocExecutor` (core/executor_mp.py, `distributed_executor_backend="mp"`) — one spawned
-  process per rank on this machine.
+* `MultiprocExecutor` (core/executor_mp.py, `distributed_executor_backend="mp"`) — one worker
+  process per rank on this machine (core/worker_process.py).
 * `RayExecutor` (core/executor_ray.py, `"ray"`) — one Ray actor per rank, on a running cluster
   (RAY_ADDRESS) or a local one: the way to span machines.
 
 The scheduler stays in the engine. Each step the executor sends every rank the same small
-`StepInputs` (core/step_inputs.py) and gets the logits back from one rank. A rank that dies ends
+`StepInputs` (core/step.py) and gets the logits back from one rank. A rank that dies ends
 the engine with `EngineDeadError` (never a hang): the engine process then reports "fatal" and the
 server's /health turns 503.
 """
@@ -23,8 +23,8 @@ from .executor_base import EngineDeadError, Executor
 __all__ = ["EngineDeadError", "Executor", "UniProcExecutor", "make_executor"]
 
 if TYPE_CHECKING:
-    from .model_runner import ForwardResult, ModelRunner
-    from .scheduler import ScheduledBatch
+    from .model_runner import ModelRunner
+    from .step import ScheduledBatch, StepOutput
 
 logger = logging.getLogger("tokenmill.executor")
 
@@ -38,7 +38,7 @@ class UniProcExecutor(Executor):
         self.bytes_per_block = runner.bytes_per_block
         self.kv_cache_dtype = runner.kv_cache_dtype
 
-    def execute(self, batch: "ScheduledBatch") -> "ForwardResult":
+    def execute(self, batch: "ScheduledBatch") -> "StepOutput":
         return self.runner.execute(batch)
 
     @property

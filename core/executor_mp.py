@@ -1,30 +1,45 @@
-"""One spawned process per rank on this machine (`distributed_executor_backend="mp"`, the default
+"""One worker process per rank on this machine (`distributed_executor_backend="mp"`, the default
 for tp/pp > 1 without Ray).
 
-The engine process talks to each worker over its own multiprocessing pipe (commands in, results
-from one rank out); the ranks talk to each other only through torch.distributed (gloo on CPU,
-the platform's backend elsewhere), rendezvousing at tcp://127.0.0.1:<free port>. Every wait
-also watches every worker's process sentinel, so a worker that dies mid-step ends the step with
-EngineDeadError instead of a hang on a collective that will never complete.
+Each worker is a program of its own (core/worker_process.py), never a multiprocessing spawn child,
+which would import the user's main module again: a script that builds an LLM at module level works
+without `if __name__ == "__main__":`, as it does with vLLM. The engine process talks to each worker
+over its own pipe (commands in, results from one rank out); the ranks talk to each other only
+through torch.distributed (gloo on CPU, the platform's backend elsewhere), rendezvousing at
+tcp://127.0.0.1:<free port>. Every wait also watches every worker's process sentinel (a pidfd), so
+a worker that dies mid-step ends the step with EngineDeadError instead of a hang on a collective
+that will never complete, and one that fails to start is named with its traceback, or its exit code
+and the end of its stderr.
 """
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing
 import pickle
 import time
+import weakref
 from multiprocessing.connection import wait as wait_connections
-from typing import Any
 
 from . import distributed
 from .config import EngineConfig
 from .executor_base import EngineDeadError, Executor
-from .step_inputs import StepInputs, StepOutput
-from .worker import WorkerReady, WorkerSpec, worker_main
+from .step import StepInputs, StepOutput
+from .worker import WorkerReady, WorkerSpec
+from .worker_process import WorkerProcess, describe_exit
 
 logger = logging.getLogger("tokenmill.executor")
 
 STARTUP_TIMEOUT_S = 600.0
+
+# A script's LLM is rarely shut down by hand: its workers are ended politely at exit, not by their
+# PR_SET_PDEATHSIG once the interpreter is gone. Weak: the set must not keep an executor alive.
+_live: "weakref.WeakSet[MultiprocExecutor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for executor in list(_live):
+        executor.shutdown()
 
 
 class MultiprocExecutor(Executor):
@@ -34,33 +49,21 @@ class MultiprocExecutor(Executor):
         self.world_size = world = tp * pp
         self.result_rank = (pp - 1) * tp          # first tp rank of the last stage
         init_method = f"tcp://127.0.0.1:{distributed.free_port()}"
-        ctx = multiprocessing.get_context("spawn")
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
+        self.workers: list[WorkerProcess] = []
         self._closed = False
-        me = multiprocessing.current_process()
-        # The server's engine process is itself a daemonic child; multiprocessing refuses children
-        # of a daemon only to avoid orphans, which PR_SET_PDEATHSIG (worker_main) already prevents.
-        was_daemon = me._config.get("daemon", False)
-        me._config["daemon"] = False
+        level = logging.getLogger().level
         try:
             for rank in range(world):
-                parent_conn, child_conn = ctx.Pipe()
                 spec = WorkerSpec(config=config, rank=rank, local_rank=rank, init_method=init_method,
                                   local_world_size=world)
-                proc = ctx.Process(target=worker_main, args=(child_conn, spec, logging.getLogger().level),
-                                   name=f"tokenmill-worker-{rank}", daemon=True)
-                proc.start()
-                child_conn.close()
-                self.procs.append(proc)
-                self.conns.append(parent_conn)
-        finally:
-            me._config["daemon"] = was_daemon
-        try:
-            readies = [self._wait_ready(rank) for rank in range(world)]
+                message = pickle.dumps((spec, level), protocol=pickle.HIGHEST_PROTOCOL)
+                self.workers.append(WorkerProcess(rank, message))
+            self.conns = [w.conn for w in self.workers]
+            readies = self._wait_ready()
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise
+        _live.add(self)
         self.readies: list[WorkerReady] = readies
         # The runners agreed on the pool (min over ranks) before allocating it.
         self.num_blocks = min(r.num_blocks for r in readies)
@@ -69,22 +72,52 @@ class MultiprocExecutor(Executor):
         logger.info("%d workers (tp %d x pp %d, mp): pids %s, KV %d blocks per rank", world, tp, pp,
                     [r.pid for r in readies], self.num_blocks)
 
-    def _wait_ready(self, rank: int) -> WorkerReady:
-        conn = self.conns[rank]
+    def _sentinels(self) -> list[int]:
+        return [w.sentinel for w in self.workers if w.sentinel is not None]
+
+    def _wait_ready(self) -> list[WorkerReady]:
+        """Every rank's WorkerReady. The first rank that fails or exits ends the start-up."""
+        readies: dict[int, WorkerReady] = {}
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            ready = wait_connections([conn] + [p.sentinel for p in self.procs],
+        while len(readies) < self.world_size:
+            waiting = [w for w in self.workers if w.rank not in readies]
+            ready = wait_connections([w.conn for w in waiting] + self._sentinels(),
                                      timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                raise EngineDeadError(f"worker rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
-            if conn in ready:
-                kind, payload = conn.recv()
-                if kind == "failed":
-                    raise RuntimeError(f"worker rank {rank} failed to start:\n{payload}")
-                return payload
-            dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
-            raise EngineDeadError(f"worker rank(s) {dead} exited while starting "
-                                  f"(exit codes {[self.procs[i].exitcode for i in dead]})")
+                raise EngineDeadError(f"worker rank(s) {[w.rank for w in waiting]} did not start within "
+                                      f"{STARTUP_TIMEOUT_S:.0f} s")
+            for w in waiting:
+                if w.conn not in ready:
+                    continue
+                try:
+                    kind, payload = w.conn.recv()
+                except (EOFError, OSError):
+                    w.pipe_closed = True        # it is exiting: its exit code is worth a wait
+                    raise self._start_failed({}) from None
+                if kind != "ready":
+                    raise self._start_failed({w.rank: payload})
+                readies[w.rank] = payload
+            if any(s in ready for s in self._sentinels()):
+                raise self._start_failed({})
+        return [readies[rank] for rank in range(self.world_size)]
+
+    def _start_failed(self, reported: dict[int, str]) -> Exception:
+        """The error for a start-up that failed: the tracebacks the failed ranks sent, or — dead before
+        they could say — their exits and the ends of their stderr. Ranks still running are left out:
+        they only wait for the failed one in the rendezvous."""
+        reported = dict(reported)
+        for w in self.workers:
+            if w.rank not in reported and (text := w.reported_failure()) is not None:
+                reported[w.rank] = text
+        exited = {w.rank: why for w in self.workers
+                  if w.rank not in reported and (why := w.exit_failure()) is not None}
+        reasons = sorted({**reported, **exited}.items())
+        text = "\n".join(f"worker rank {rank}: {why}" for rank, why in reasons)
+        if reported:      # the worker's own error (a bad checkpoint, an unsupported setting), not a crash
+            return RuntimeError(f"worker rank(s) {sorted(reported)} failed to start:\n{text}")
+        if exited:
+            return EngineDeadError(f"worker rank(s) {sorted(exited)} exited while starting:\n{text}")
+        return EngineDeadError("a worker exited while starting, and none says why")
 
     def execute_inputs(self, inputs: StepInputs) -> StepOutput:
         if self._closed:
@@ -96,7 +129,7 @@ class MultiprocExecutor(Executor):
         except OSError as exc:
             raise self._dead(f"cannot reach a worker ({exc})") from None
         result_conn = self.conns[self.result_rank]
-        watched = list(self.conns) + [p.sentinel for p in self.procs]
+        watched = list(self.conns) + self._sentinels()
         while True:
             ready = wait_connections(watched)
             if result_conn in ready:
@@ -116,43 +149,52 @@ class MultiprocExecutor(Executor):
                     raise self._dead(f"worker rank {rank} failed: {payload}")
             raise self._dead("a worker process exited")
 
+    def _exit_codes(self, wait: float) -> dict[int, int]:
+        """{rank: exit code} of the workers that exited, waiting up to `wait` s for the first (a pipe's
+        EOF can come before its process is reaped)."""
+        deadline = time.monotonic() + wait
+        while True:
+            codes = {w.rank: code for w in self.workers if (code := w.exitcode()) is not None}
+            if codes or time.monotonic() >= deadline:
+                return codes
+            time.sleep(0.01)
+
     def _dead(self, why: str) -> EngineDeadError:
-        codes = {i: p.exitcode for i, p in enumerate(self.procs) if p.exitcode is not None}
-        logger.error("engine workers failed: %s (exited: %s)", why, codes or "none")
+        codes = self._exit_codes(wait=1.0)
+        exited = ", ".join(f"rank {rank}: {describe_exit(code)}" for rank, code in codes.items()) or "none"
+        logger.error("engine workers failed: %s (exited: %s)", why, exited)
         self.shutdown(graceful=False)       # the others may be stuck in a collective: end them now
-        return EngineDeadError(f"{why} (worker exit codes {codes})")
+        return EngineDeadError(f"{why} (exited: {exited})")
 
     def check_health(self) -> None:
         if self._closed:
             return
-        dead = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        dead = [w.rank for w in self.workers if w.exitcode() is not None]
         if dead:
             raise self._dead(f"worker rank(s) {dead} exited")
 
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        return [w.pid for w in self.workers]
 
     def shutdown(self, graceful: bool = True) -> None:
         if self._closed:
             return
         self._closed = True
-        for conn in self.conns if graceful else ():
+        _live.discard(self)
+        for w in self.workers if graceful else ():
             try:
-                conn.send_bytes(pickle.dumps(("shutdown",)))
+                w.conn.send_bytes(pickle.dumps(("shutdown",)))
             except Exception:
                 pass
         deadline = time.monotonic() + (5.0 if graceful else 0.0)
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self.procs:      # stuck in a collective with a dead peer: end it
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
-        for conn in self.conns:
-            try:
-                conn.close()
-            except Exception:
-                pass
+        for w in self.workers:
+            w.exitcode(wait=max(0.0, deadline - time.monotonic()))
+        for w in self.workers:      # stuck in a collective with a dead peer: end it
+            if w.exitcode() is None:
+                w.kill()
+                w.exitcode(wait=2.0)
+        for w in self.workers:
+            w.close()
 
     def __del__(self) -> None:
         try:

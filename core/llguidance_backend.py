@@ -6,6 +6,10 @@ turned into an llguidance grammar, checked once by building a prototype matcher 
 keeps it), and every sequence gets a cheap deep copy of it. `llguidance.torch` fills tokenmill's
 packed int32 bitmask (plugins/parsers.py) in place -- the same layout as xgrammar's.
 
+Regexes -- the `regex` constraint, a schema's `pattern` / `patternProperties`, a Lark grammar's
+/.../ terminals -- mean what they mean on xgrammar, ECMA-262's `\\d` `\\w` `\\s` (ASCII digits and word
+characters, ECMA's whitespace), not llguidance's Unicode ones: core/ecma_regex.py spells them out.
+
 A structural tag (core/structural_tag.py: free text in which each trigger starts a begin / JSON
 schema / end structure) becomes a Lark grammar: `start: (tag_0 | ...)* TAG_TEXT`, each trigger a
 lazy lexeme (free text up to the trigger's first occurrence) followed by the alternatives of its
@@ -15,6 +19,7 @@ the shape the legacy form has (triggered_tags of JSON-schema tags): anything els
 """
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, Sequence
 
@@ -22,7 +27,7 @@ import torch
 
 from tokenmill.plugins.parsers import CompiledGrammar, GrammarBackend, GrammarMatcher
 
-from . import structural_tag
+from . import ecma_regex, json_schema, structural_tag
 from .errors import RequestError
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "grammar": "grammar",
@@ -92,19 +97,24 @@ class GuidanceBackend(GrammarBackend):
         try:
             if kind == "json":
                 try:
-                    json.loads(spec)
+                    schema = json.loads(spec)
                 except ValueError as e:
                     raise _refuse(f"the JSON schema is not valid JSON: {e}") from None
-                return m.grammar_from_json_schema(spec, defaults=options)
+                explicit = _ecma_patterns(schema)   # the text as it came when there is nothing to spell out
+                return m.grammar_from_json_schema(spec if explicit == schema else json.dumps(explicit),
+                                                  defaults=options)
             if kind == "json_object":
                 return m.grammar_from_json_schema('{"type": "object"}', defaults=options)
             if kind == "regex":
-                return m.grammar_from_regex(spec)
+                return m.grammar_from_regex(ecma_regex.explicit_classes(spec))
             if kind == "choice":
                 return self._llg.grammar_from("choice", spec)
             if kind == "grammar":
-                # EBNF (GBNF) uses `::=`; anything else is taken as a Lark grammar (as with xgrammar).
-                return self._llg.grammar_from("gbnf" if "::=" in spec else "lark", spec)
+                # EBNF (GBNF) uses `::=`; anything else is taken as a Lark grammar (as with xgrammar),
+                # its /regex/ terminals read as xgrammar reads them (core/ecma_regex.py).
+                if "::=" in spec:
+                    return self._llg.grammar_from("gbnf", spec)
+                return self._llg.grammar_from("lark", ecma_regex.lark_regexes(spec))
             if kind == "structural_tag":
                 return self._llg.grammar_from("lark", self._structural_tag_lark(spec))
         except RequestError:
@@ -125,8 +135,8 @@ class GuidanceBackend(GrammarBackend):
                  f"start: ({' | '.join(f'tag_{i}' for i in range(len(by_trigger)))})* TAG_TEXT",
                  r"TAG_TEXT: /(.|\n)*/"]
         for i, (trigger, group) in enumerate(by_trigger.items()):
-            bodies = " | ".join(f"{_lit(t.begin[len(trigger):])} %json {json.dumps(t.schema)} {_alts(t.ends)}"
-                                for t in group)
+            bodies = " | ".join(f"{_lit(t.begin[len(trigger):])} %json {json.dumps(_ecma_patterns(t.schema))} "
+                                f"{_alts(t.ends)}" for t in group)
             special = self._special_token(trigger)
             if special is not None:   # text never spells a special token: it ends the free text itself
                 lines.append(f"tag_{i}: TAG_TEXT <[{special}]> ({bodies})")
@@ -145,6 +155,12 @@ class GuidanceBackend(GrammarBackend):
         except Exception:   # a tokenizer without these lookups: the trigger is text
             pass
         return None
+
+
+def _ecma_patterns(schema: Any) -> Any:
+    """A copy of the schema with its regexes' class escapes spelled out: llguidance reads a
+    pattern's \\d and \\w as ECMA-262 does but its \\s as Unicode's (core/ecma_regex.py)."""
+    return json_schema.map_patterns(copy.deepcopy(schema), ecma_regex.explicit_classes)
 
 
 def _lit(text: str) -> str:

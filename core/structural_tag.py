@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import RequestError
 
@@ -113,6 +113,35 @@ def format_tags(value: dict, backend: str) -> list[Tag]:
         tags.append((where, t.get("begin"), _schema(content.get("json_schema"), f"{where}.content.json_schema"),
                      ends))
     return _with_triggers(fmt.get("triggers"), "structural_tag.format.triggers", tags)
+
+
+def schemas(value: dict) -> Iterator[tuple[str, Any]]:
+    """(where, JSON schema) for each schema in the structural tag, either form, anywhere in a
+    `format`; unchecked (one given as JSON text that does not parse is left out: the backends say so)."""
+    if is_legacy(value):
+        found = [(f"structural_tag.structures[{i}].schema", s.get("schema"))
+                 for i, s in enumerate(value.get("structures") or []) if isinstance(s, dict)]
+    else:
+        found = list(_format_schemas(value.get("format"), "structural_tag.format"))
+    for where, schema in found:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                continue
+        yield where, schema
+
+
+def _format_schemas(node: Any, where: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _format_schemas(item, f"{where}[{i}]")
+    elif isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield f"{where}.json_schema", node["json_schema"]
+            return
+        for key, value in node.items():
+            yield from _format_schemas(value, f"{where}.{key}")
 
 
 def to_xgrammar(value: dict) -> str:

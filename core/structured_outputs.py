@@ -5,7 +5,9 @@ add_request hands the request's constraint to `submit`: a constraint in the back
 waits (the engine keeps it out of the scheduler) while the other requests go on stepping (the
 built-in backends compile in native code; a 20-field schema takes 3-16 ms here, see
 docs/benchmarks.md). A spec the backend refuses ends
-its request with the backend's RequestError (the server's 400: nothing was streamed yet). Once
+its request with the backend's RequestError (the server's 400: nothing was streamed yet); what no
+backend may accept -- a schema whose `$ref` points outside it (nothing is fetched) -- is refused
+here, before compiling, whichever backend it is (`check_schemas`). Once
 compiled, each sequence of the request gets a matcher; the sampler masks those rows' logits with
 the matchers' bitmasks (sampling/structured.py) and the scheduler advances them with each sampled
 token and finishes a sequence once its grammar is terminated.
@@ -19,14 +21,16 @@ cache hit costs none).
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from tokenmill.plugins import discovery
 
+from . import json_schema, structural_tag
 from .errors import RequestError
 from .sampling_params import StructuredOutputsParams
 
@@ -47,6 +51,22 @@ def resolve_backend_name(name: str) -> str:
         raise ValueError(f"structured_outputs_backend must be 'auto' or an installed grammar backend "
                          f"({', '.join(sorted(installed)) or 'none installed'}); got {name!r}")
     return name
+
+
+def check_schemas(kind: str, spec: str) -> None:
+    """What a constraint's JSON schemas must hold whichever backend compiles them (a plugin's too):
+    no reference outside the schema (core/json_schema.py). RequestError naming structured_outputs."""
+    if kind == "json":
+        try:
+            found: Iterable[tuple[str, Any]] = [("the JSON schema", json.loads(spec))]
+        except ValueError:
+            return                        # not JSON: the backend says so
+    elif kind == "structural_tag":
+        found = structural_tag.schemas(structural_tag.load(spec))
+    else:
+        return
+    for what, schema in found:
+        json_schema.check_refs(schema, what)
 
 
 class StructuredOutputs:
@@ -84,15 +104,18 @@ class StructuredOutputs:
     def submit(self, params: StructuredOutputsParams) -> "Future[Any]":
         """The request's compiled constraint, as a future: done at once on a compile-cache hit,
         else compiled on the worker thread. RequestError (param structured_outputs) at once for a
-        kind the backend does not support, from the future for a spec it refuses."""
+        kind the backend does not support or a schema `check_schemas` refuses, from the future for
+        a spec the backend refuses."""
         kind, spec = params.kind, params.spec
         backend = self.backend
         if backend.supported_kinds and kind not in backend.supported_kinds:
             raise RequestError(f"the grammar backend {self.backend_name!r} does not support {kind!r}",
                                "structured_outputs", "invalid_value")
+        hit = backend.cached(kind, spec)
+        if hit is None:
+            check_schemas(kind, spec)     # a cached spec passed it
         with self._lock:
             self.num_constrained_requests += 1
-        hit = backend.cached(kind, spec)
         if hit is not None:
             done: Future[Any] = Future()
             done.set_result(hit)

@@ -1,8 +1,9 @@
 """One rank of a tensor/pipeline-parallel engine: joins the process group, builds and loads its
 shard of the model, sizes its KV pool, and runs each step the engine broadcasts.
 
-The same `Worker` runs in a spawned process (`worker_main`, the mp executor) and inside a Ray
-actor (core/executor_ray.py). The scheduler stays in the engine; a worker only runs forwards.
+The same `Worker` runs in a process of its own (`worker_main`: the mp executor, core/worker_process.py)
+and inside a Ray actor (core/executor_ray.py). The scheduler stays in the engine; a worker only runs
+forwards.
 
 Pipeline parallelism: the step's batch is cut into two micro-batches of whole sequences. Stage 0
 computes the first, starts sending its hidden states (isend) and goes on with the second while
@@ -20,7 +21,7 @@ import torch
 
 from . import distributed
 from .config import EngineConfig
-from .step_inputs import StepInputs, StepOutput
+from .step import StepInputs, StepOutput
 
 logger = logging.getLogger("tokenmill.worker")
 
@@ -116,22 +117,23 @@ class Worker:
         distributed.destroy_parallel_state()
 
 
-def worker_main(conn: Any, spec: WorkerSpec, log_level: int) -> None:
-    """The mp executor's spawn target: build the worker, answer ("ready", WorkerReady) or
-    ("failed", traceback), then run ("execute", StepInputs) until ("shutdown",) or EOF. Dies with
-    its parent (the engine process)."""
+def worker_main(conn: Any, spec: WorkerSpec, log_level: int) -> int:
+    """The mp executor's worker (core/worker_process.py runs it, set to die with the engine process):
+    build the worker, answer ("ready", WorkerReady) or ("failed", traceback), then run
+    ("execute", StepInputs) until ("shutdown",) or EOF. Returns the process's exit code."""
     import signal
 
-    from .engine_process import _die_with_parent
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the server's; it shuts us down
-    _die_with_parent()
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {spec.rank}]: %(message)s")
+    # Ctrl-C reaches the whole process group: it is the server's (or the script's), which shuts us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s %(levelname)s %(name)s [rank {spec.rank}]: %(message)s")
         worker = Worker(spec)
         _send(conn, ("ready", worker.ready()))
     except BaseException:
         _send(conn, ("failed", traceback.format_exc()))
-        return
+        return 1
+    code = 0
     try:
         while True:
             message = conn.recv()
@@ -143,6 +145,7 @@ def worker_main(conn: Any, spec: WorkerSpec, log_level: int) -> None:
     except (EOFError, OSError):
         pass      # the engine is gone
     except BaseException:
+        code = 1
         try:
             _send(conn, ("failed", traceback.format_exc()))
         except Exception:
@@ -152,6 +155,7 @@ def worker_main(conn: Any, spec: WorkerSpec, log_level: int) -> None:
             worker.shutdown()
         except Exception:
             pass
+    return code
 
 
 def _send(conn: Any, message: Any) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tokenmill.core.config import parse_size
+
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = True) -> None:
     if model_positional:
@@ -25,7 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true",
                         help="split long prompts across steps (the default; vLLM's flag, accepted)")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (CPU)")
+    parser.add_argument("--kv-cache-memory", type=_size, default=None, metavar="BYTES",
+                        help="the KV pool's size: bytes, or with a unit (512MiB, 2GiB, 1.5GB)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
@@ -34,7 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--graph-capture", default=None, help="override the platform's graph-capture strategy")
+    parser.add_argument("--graph-capture", default=None, metavar="PROGRAM",
+                        help="the platform's decode program instead of its default (fused_decode, cuda_graphs, "
+                             "torch.compile, xla, none: eager; `tokenmill platforms` lists them)")
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|FOLDER",
@@ -61,6 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--pooler-config", default=None, metavar="JSON",
                         help='pooling overrides, as vLLM: \'{"pooling_type": "MEAN", "normalize": true}\' '
                              "(pooling_type CLS, MEAN or LAST)")
+    parser.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                        help="native: tokenmill's own model class; transformers: transformers' modeling code on "
+                             "tokenmill's paged attention; auto (default): native when registered (tokenmill models)")
     lora = parser.add_argument_group("LoRA adapters (docs/serving.md)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) beside the base model")
     lora.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (default 1)")
@@ -78,8 +86,15 @@ ENGINE_ARG_NAMES = (
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend",
-    "runner", "pooler_config", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
+    "runner", "pooler_config", "model_impl", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
 )
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "--kv-cache-memory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def generation_config_folder(value: str) -> "str | None":

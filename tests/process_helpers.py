@@ -31,3 +31,12 @@ def session_members(sid: int) -> list[int]:
     """Live processes in session `sid` (ServerProcess starts the server as a session leader: its
     engine process and anything else it spawned stay in that session)."""
     return live_processes(SESSION_ID, sid)
+
+
+def is_alive(pid: int) -> bool:
+    """The process runs (exists and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

