@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "tokenmill.entrypoints.generate_cmd",
     "tokenmill.entrypoints.platforms_cmd",
     "tokenmill.entrypoints.plugins_cmd",
+    "tokenmill.entrypoints.models_cmd",
     "tokenmill.entrypoints.check_plugin",
     "tokenmill.entrypoints.openai.serve_cmd",
     "tokenmill.entrypoints.run_batch_cmd",

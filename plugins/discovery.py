@@ -19,7 +19,7 @@ from .registry import ExtensionReport
 __all__ = [
     "PlatformReport", "ExtensionReport", "resolve_platform", "discover_platforms", "platform_class",
     "attention_backend_classes", "attention_backend_errors", "select_attention_backend",
-    "model_architectures", "quantization_methods", "tool_parsers",
+    "model_architectures", "model_architecture_reports", "quantization_methods", "tool_parsers",
     "reasoning_parsers", "grammar_backends", "extension_reports", "clear_caches",
 ]
 
@@ -45,6 +45,11 @@ def select_attention_backend(platform: Any, attn_config: AttentionConfig, reques
 def model_architectures() -> dict[str, type]:
     """HF `architectures` name -> model class: tokenmill's own and every plugin's."""
     return registry.load("model_architecture")
+
+
+def model_architecture_reports() -> list[ExtensionReport]:
+    """Every model-architecture entry point, loaded or refused and why (`tokenmill models`)."""
+    return registry.reports("model_architecture")
 
 
 def quantization_methods() -> dict[str, type]:

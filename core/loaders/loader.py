@@ -15,17 +15,20 @@ import torch
 from torch import nn
 
 from tokenmill.attention_backends.interface import AttentionConfig
+from tokenmill.platforms.interface import LayerKernels
 from tokenmill.plugins import discovery
 from tokenmill.quantization.gguf import GGUFQuantization
 from tokenmill.quantization.gguf_linear import GGUFLinearMethod
-from tokenmill.quantization.interface import QuantizationMethod
+from tokenmill.quantization.interface import QuantizationMethod, QuantKernels
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..config import EngineConfig, torch_dtype
 from ..distributed import check_parallel_sizes
+from ..errors import PathNotFoundError
 from ..layers.kernels import apply_layer_kernels
 from ..models.pooling_adapter import as_pooling_model
-from ..models.registry import resolve_architecture
+from ..models.registry import resolve_model_class
+from ..models.transformers_impl import TransformersForCausalLM, check_engine_config
 from ..pooler_config import PoolerConfig, resolve_pooler_config
 from . import gguf_kept, gguf_loader, hf, quant_config
 from .gguf_file import GGUFFile
@@ -44,10 +47,10 @@ class PlatformLike(Protocol):
 
     def device(self) -> torch.device: ...
     def activation_dtype(self, dtype: torch.dtype) -> torch.dtype: ...
-    def graph_capture(self, config: EngineConfig) -> Any: ...
+    def decode_program(self, config: EngineConfig) -> Any: ...
     def quantization_methods(self) -> list[str]: ...
-    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]: ...
-    def layer_kernels(self, config: EngineConfig) -> dict[str, Any]: ...
+    def quantization_kernels(self, name: str) -> QuantKernels: ...
+    def layer_kernels(self, config: EngineConfig) -> LayerKernels: ...
 
 
 @dataclass
@@ -81,7 +84,7 @@ def _load_tokenizer(path: str) -> Any:
     if path.endswith(".gguf") and os.path.isfile(path):
         return gguf_loader.gguf_tokenizer(GGUFFile(path))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+        raise PathNotFoundError(f"tokenizer path {path!r} does not exist")
     try:
         return hf.load_hf_tokenizer(path)
     except (OSError, ValueError) as exc:
@@ -160,15 +163,17 @@ def load_model(config: EngineConfig, platform: PlatformLike,
     weight_dtype = torch_dtype(config.model.dtype)
     dtype = platform.activation_dtype(weight_dtype)
     meta = _load_metadata(config.model.model, config.model.tokenizer)
-    architecture, model_cls = resolve_architecture(getattr(meta.hf_config, "architectures", None),
-                                                   discovery.model_architectures())
+    architecture, model_cls = resolve_model_class(meta.hf_config, discovery.model_architectures(),
+                                                  config.model.model_impl)
     pooler_config = resolve_pooler_config(config.model.runner, architecture, meta.hf_config,
                                           meta.source.path if meta.gguf is None else None, config.model.pooler_config)
+    if model_cls is TransformersForCausalLM:      # what transformers' modeling code cannot do here: refused
+        check_engine_config(config, meta.hf_config, meta.source.kind, pooler_config is not None)
     if pooler_config is not None:     # the same network, its hidden states pooled instead of an LM head
         model_cls = as_pooling_model(model_cls)
     attn_config = model_cls.attention_config(
         meta.hf_config, dtype=dtype, kv_cache_dtype=config.cache.kv_cache_dtype, block_size=config.cache.block_size,
-        graph_capture=platform.graph_capture(config).backend_mode(), device=platform.dispatch_key)
+        graph_capture=platform.decode_program(config).backend_mode(), device=platform.dispatch_key)
     backend_cls = choose_backend(attn_config)
     parallel = config.parallel
     check_parallel_sizes(meta.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
@@ -198,6 +203,8 @@ def load_model(config: EngineConfig, platform: PlatformLike,
                         "on native kernels", os.path.basename(meta.source.path), str(weight_dtype).replace("torch.", ""),
                         os.path.getsize(meta.source.path) / 2**20)
         load_weights(net, gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config), GGUFQuantization())
+    elif isinstance(net, TransformersForCausalLM):      # transformers' own loading (key renames, tied heads)
+        net.load_checkpoint(meta.source.path)
     else:
         kv_scales = KVScales()                # fp8 KV-cache scales are not weights: set on the attention layers
         # Tensor parallelism: each rank reads only its part of each tensor (hf.LazySlice).

@@ -127,6 +127,16 @@ class BertModel(nn.Module):
         "qkv_proj": [("query", 0), ("key", 1), ("value", 2)]}
     # Checkpoints of task models (BertForMaskedLM, ...) put the encoder under this prefix.
     checkpoint_prefix: ClassVar[str] = "bert."
+    # What `tokenmill models` lists (core/models/features.py): (supported, how / why not).
+    features: ClassVar[dict[str, tuple[bool, str]]] = {
+        "tp": (False, "pooling runs stay on one rank (per-sequence state in the engine process)"),
+        "pp": (False, "pooling runs stay on one rank"),
+        "lora": (False, "adapters are served on decoders only"),
+        "quantization": (False, "untested on encoders: weights as stored"),
+        "fast_path": (False, "an encoder has no decode steps"),
+        "sliding_window": (False, "bidirectional attention over the whole input"),
+        "pooling": (True, "pooling only (CLS/MEAN; no LM head)"),
+    }
 
     def __init__(self, hf_config: Any, attn_backend_cls: type, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", quant_method: Optional[QuantizationMethod] = None) -> None:

@@ -188,6 +188,16 @@ class LlamaForCausalLM(nn.Module):
     }
     # Checkpoint tensors that are not weights here (older HF checkpoints store the rope table).
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+    # What `tokenmill models` lists (core/models/features.py): (supported, how / why not).
+    features: ClassVar[dict[str, tuple[bool, str]]] = {
+        "tp": (True, "heads, MLP and vocabulary split over ranks"),
+        "pp": (True, "contiguous layers per stage"),
+        "lora": (True, "q/k/v/o and gate/up/down adapters"),
+        "quantization": (True, "every registered method the platform offers; GGUF files"),
+        "fast_path": (True, "decoder_stack(): the cpu platform's fused decode step"),
+        "sliding_window": (True, "per layer (Mistral, Qwen2 max_window_layers, layer_types)"),
+        "pooling": (True, "runner='pooling': LAST/MEAN pooling of the final hidden states"),
+    }
 
     def __init__(self, hf_config: Any, attn_backend_cls: type, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", quant_method: Optional[QuantizationMethod] = None) -> None:
