@@ -1,24 +1,24 @@
-"""cpu_sdpa's bf16 prompt attention on AVX512-BF16 (attention_backends/csrc/flash_prefill.cpp).
+"""cpu_sdpa's bf16 prompt attention on AVX512-BF16 (platforms/csrc/flash_prefill.cpp).
 
 A flash-attention kernel for bf16 queries and keys/values: float32 scores and accumulators, the
 probabilities rounded to bf16 for P.V. torch's CPU flash kernel runs a 2048-token SmolLM2
 prompt's attention at ~120 GFLOP/s on a 2-core AVX512-BF16 host (60 % of the prompt's time);
 this one reads K and V in the pair layouts the bf16 dot product takes, and on a CPU with AMX
-multiplies them as tiles (csrc/flash_tiles.h). Built on first use by platforms/native_build.py;
-TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without AVX512-BF16 leaves cpu_sdpa on
-torch's SDPA. `torch_flash`/`torch_flash_batch`: the same contract on torch's flash kernel, for
-a CPU whose AMX tiles this build cannot use (`torch_kernel_is_faster`).
+multiplies them as tiles (platforms/csrc/flash_tiles.h). Built on first use by
+platforms/native_build.py; TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without
+AVX512-BF16 (the build is refused: `available()` says so) leaves cpu_sdpa on torch's SDPA.
+`torch_flash`/`torch_flash_batch`: the same contract on torch's flash kernel, for a CPU whose AMX
+tiles this build cannot use (`torch_kernel_is_faster`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from tokenmill.platforms.native_build import NativeLibrary
+from tokenmill.platforms.native_build import NativeLibrary, source
 
 ABI_VERSION = 2
 HEAD_SIZES = (64, 128)
@@ -36,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                              p]
 
 
-LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "flash_prefill.cpp", ABI_VERSION, _declare)
+LIBRARY = NativeLibrary(source("flash_prefill.cpp"), ABI_VERSION, _declare)
 
 
 @functools.lru_cache(maxsize=None)

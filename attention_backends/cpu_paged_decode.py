@@ -1,4 +1,4 @@
-"""cpu_sdpa's native paged decode attention (attention_backends/csrc/paged_decode.cpp).
+"""cpu_sdpa's native paged decode attention (platforms/csrc/paged_decode.cpp).
 
 It reads K/V blocks in place, measured ~10x the gather + SDPA path on a W1-like decode batch.
 Built on first use by the shared helper platforms/native_build.py (which holds no kernel and
@@ -8,12 +8,11 @@ on its torch path.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from tokenmill.platforms.native_build import NativeLibrary
+from tokenmill.platforms.native_build import NativeLibrary, source
 
 ABI_VERSION = 4
 
@@ -39,7 +38,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             prefill.restype = i64
 
 
-LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "paged_decode.cpp", ABI_VERSION, _declare)
+LIBRARY = NativeLibrary(source("paged_decode.cpp"), ABI_VERSION, _declare)
 
 
 def available() -> Optional[str]:

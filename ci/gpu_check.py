@@ -81,7 +81,7 @@ def graph_runner() -> dict:
     through block tables from device tensors only (what a capturable backend must do)."""
     import torch
     from tokenmill.attention_backends.interface import AttentionMetadata
-    from tokenmill.platforms.cuda_graphs import CudaGraphCapture
+    from tokenmill.platforms.cuda_graphs import CudaGraphProgram
 
     dev = torch.device("cuda")
     bs, width, nblocks = 4, 4, 64
@@ -97,10 +97,11 @@ def graph_runner() -> dict:
 
     class Runner:
         max_num_seqs, block_size, max_blocks_per_seq, device = 16, bs, width, dev
+        pad_slot_id, attention_backend = None, None
 
     kv_g = torch.randint(0, 100, (nblocks * bs,), device=dev).double()
     kv_e = kv_g.clone()
-    wrapped = CudaGraphCapture().wrap(make_forward(kv_g), Runner())
+    wrapped = CudaGraphProgram().build(make_forward(kv_g), Runner())
     eager = make_forward(kv_e)
     g = torch.Generator().manual_seed(0)
     checked = []

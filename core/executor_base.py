@@ -6,31 +6,27 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .model_runner import forward_result
-from .step_inputs import StepInputs
+from .errors import EngineDeadError
+from .step import ScheduledBatch, StepInputs, StepOutput
 
 if TYPE_CHECKING:
-    from .model_runner import ForwardResult, ModelRunner
-    from .scheduler import ScheduledBatch
+    from .model_runner import ModelRunner
 
-
-class EngineDeadError(RuntimeError):
-    """A worker of the engine died or failed: the engine cannot continue."""
+__all__ = ["EngineDeadError", "Executor"]
 
 
 class Executor:
-    """execute(batch) -> ForwardResult; the KV pool every rank holds (the min over ranks)."""
+    """execute(batch) -> StepOutput; the KV pool every rank holds (the min over ranks)."""
     num_blocks: int
     bytes_per_block: int
     kv_cache_dtype: torch.dtype
     runner: Optional["ModelRunner"] = None      # in-process only
     lora: Any = None                            # LoRA runs in process only (refused at tp/pp > 1)
 
-    def execute(self, batch: "ScheduledBatch") -> "ForwardResult":
-        inputs = StepInputs.from_batch(batch)
-        return forward_result(self.execute_inputs(inputs), batch)
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        return self.execute_inputs(StepInputs.from_batch(batch))
 
-    def execute_inputs(self, inputs: StepInputs) -> Any:
+    def execute_inputs(self, inputs: StepInputs) -> StepOutput:
         raise NotImplementedError
 
     def check_health(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from . import distributed
 from .config import EngineConfig
 from .executor_base import EngineDeadError, Executor
-from .step_inputs import StepInputs, StepOutput
+from .step import StepInputs, StepOutput
 from .worker import Worker, WorkerReady, WorkerSpec
 
 logger = logging.getLogger("tokenmill.executor")

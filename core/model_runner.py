@@ -1,51 +1,51 @@
 """Turns a scheduled batch into one flattened forward pass over the paged KV cache.
 
-Owns the KV pool (sized by the platform's memory profiler) and the forward callable (wrapped by
-the platform's graph-capture strategy). Device-neutral: every device question goes to the platform.
+Owns the KV pool (sized by the platform's memory profiler) and the forward callable (built by the
+platform's decode program, platforms/interface.py DecodeProgram, from a ModelView). Device-neutral:
+every device question goes to the platform.
 """
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from tokenmill.attention_backends.interface import AttentionMetadata, kv_cache_torch_dtype
+from tokenmill.platforms.interface import ModelView
 
 from . import distributed
 from .config import EngineConfig
 from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
-from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .step_inputs import StepInputs, StepOutput
+from .step import ScheduledBatch, StepInputs, StepOutput
 
 logger = logging.getLogger("tokenmill.model_runner")
 
 
 @dataclass
-class ForwardResult:
-    logits: Optional[torch.Tensor]           # [num_sampled, vocab] float32: last token of each caught-up sequence
-    sampled_seqs: list[Sequence]
-    # (sequence, first position of the chunk, logits [chunk_len, vocab]) for prompt_logprobs requests
-    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
-    # Rows of `logits` per sampled sequence when any verified drafts (1 + its drafts); None: one each.
-    num_rows: Optional[list[int]] = None
-    # (sequence, its vector) for each pooling sequence whose prompt finished this step.
-    pooled: list[tuple[Sequence, list[float]]] = field(default_factory=list)
+class StepProfile:
+    """Forward passes by the path that ran them (the decode program's name, or "eager"): steps,
+    tokens and seconds, split into decode-only steps and the rest."""
+    rows: dict[tuple[str, bool], list[float]] = field(default_factory=dict)
 
-    def rows_per_seq(self) -> list[int]:
-        return self.num_rows if self.num_rows is not None else [1] * len(self.sampled_seqs)
+    def record(self, path: str, decode_only: bool, tokens: int, seconds: float) -> None:
+        row = self.rows.setdefault((path, decode_only), [0, 0, 0.0])
+        row[0] += 1
+        row[1] += tokens
+        row[2] += seconds
 
-
-def forward_result(out: StepOutput, batch: ScheduledBatch) -> ForwardResult:
-    """A step's output by entry index -> the engine's ForwardResult, with the batch's sequences."""
-    seqs = [seq for seq, _ in batch.entries]
-    return ForwardResult(logits=out.logits, sampled_seqs=[seqs[i] for i in out.sampled],
-                         prompt_logits=[(seqs[i], start, t) for i, start, t in out.prompt_logits],
-                         num_rows=out.num_rows, pooled=out.pooled)
+    def summary(self) -> list[dict[str, Any]]:
+        total = sum(r[2] for r in self.rows.values()) or 1.0
+        decode_total = sum(r[2] for (_, d), r in self.rows.items() if d) or 1.0
+        return [{"path": path, "decode_only": decode_only, "steps": int(r[0]), "tokens": int(r[1]),
+                 "seconds": r[2], "share_of_forward_time": r[2] / total,
+                 "share_of_decode_time": r[2] / decode_total if decode_only else None}
+                for (path, decode_only), r in sorted(self.rows.items(), key=lambda kv: -kv[1][2])]
 
 
 class ModelRunner:
@@ -87,8 +87,42 @@ class ModelRunner:
         self._allocate_kv_cache(self.num_blocks)
         # Graph capture is for decode steps (captured graphs, the fused decode step); a pooling run
         # has none, only prefills, so it runs eagerly whatever the platform captures.
+        self.decode_program = platform.decode_program(config)
         self.forward = (self._forward_eager if self.pooler is not None
-                        else platform.graph_capture(config).wrap(self._forward_eager, self))
+                        else self.decode_program.build(self._forward_eager, self.model_view()))
+        self.profile: Optional[StepProfile] = None     # set by `bench --profile`: where step time goes
+
+    def fast_path_report(self) -> dict[str, Any]:
+        """Which decode program runs this model (or why it runs eagerly) and the kernels each op kind
+        reached: what `tokenmill bench throughput --profile` prints."""
+        from .layers.kernels import LAYER_KINDS
+        layers: dict[str, str] = {}
+        methods: dict[str, list[str]] = {}
+        for module in self.model.modules():
+            for kind, cls in LAYER_KINDS.items():
+                kernel = getattr(module, "_kernel", None)
+                if isinstance(module, cls) and kernel is not None:
+                    layers[kind] = getattr(kernel, "name", type(kernel).__name__)
+            method = getattr(module, "quant_method", None)
+            if method is not None and type(method).__name__ not in methods:
+                methods[type(method).__name__] = method.kernels.offered()
+        took = self.forward != self._forward_eager     # bound methods: compared by ==, never `is`
+        impl = self.layers[0].impl
+        return {"decode_program": self.decode_program.name, "took_the_model": took,
+                "eager_reason": None if took else (self.decode_program.eager_reason
+                                                   or ("the platform's default is eager" if self.decode_program.name == "none"
+                                                       else None)),
+                "attention_backend": impl.name,
+                "native_decode_attention": bool(getattr(impl, "native_decode_fn", lambda _: None)(self.layers[0].kv_cache)),
+                "layer_kernels": layers, "quantization_kernels": methods}
+
+    def model_view(self) -> ModelView:
+        """What the platform's decode program may read of the model and the pool."""
+        parallel = self.config.parallel
+        return ModelView(model=self.model, attention_layers=self.layers, attention_backend=self.backend_cls,
+                         num_blocks=self.num_blocks, block_size=self.block_size,
+                         max_blocks_per_seq=self.max_blocks_per_seq, max_num_seqs=self.max_num_seqs,
+                         device=torch.device(self.device), world_size=parallel.world_size)
 
     # ------------------------------------------------------------------ KV pool
     def _bytes_per_block(self) -> int:
@@ -142,15 +176,22 @@ class ModelRunner:
             block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens), causal=self.causal)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> ForwardResult:
-        return forward_result(self.execute_inputs(StepInputs.from_batch(batch), [seq for seq, _ in batch.entries]),
-                              batch)
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        return self.execute_inputs(StepInputs.from_batch(batch), [seq for seq, _ in batch.entries])
 
     @torch.inference_mode()
     def execute_inputs(self, inputs: StepInputs, seqs: Optional[list[Sequence]] = None) -> StepOutput:
         """One forward over `inputs` (`seqs`: the batch's sequences, in-process, for pooling)."""
         step = self.prepare(inputs)
-        return self.finish(step, self.forward(step.input_ids, step.positions, step.metadata), seqs)
+        if self.profile is None:
+            return self.finish(step, self.forward(step.input_ids, step.positions, step.metadata), seqs)
+        start = time.perf_counter()
+        hidden = self.forward(step.input_ids, step.positions, step.metadata)
+        path = getattr(self.forward, "last_path", None) or (
+            "eager" if self.forward == self._forward_eager else self.decode_program.name)
+        self.profile.record(path, inputs.num_decodes == len(inputs.entries), len(step.input_ids),
+                            time.perf_counter() - start)
+        return self.finish(step, hidden, seqs)
 
     def prepare(self, inputs: StepInputs) -> "PreparedStep":
         """Flatten the entries into the forward's tensors and note which rows are read after it."""

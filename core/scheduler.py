@@ -22,28 +22,13 @@ from .block_manager import BlockManager
 from .fair_queue import FairQueue
 from .config import SchedulerConfig
 from .outputs import CompletionDelta, LogprobsEntry
+from .request_checks import pool_problem
 from .sampling.prompt_logprobs import compute_prompt_logprobs
 from .sequence import Sequence, SequenceStatus
+from .step import ScheduledBatch, StepOutput
 
 if TYPE_CHECKING:
-    from .model_runner import ForwardResult
     from .sampling.sampler import SamplerOutput
-
-
-@dataclass
-class ScheduledBatch:
-    # (sequence, number of new tokens) — decodes first, then prefill chunks
-    entries: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_decodes: int = 0
-    preempted: list[Sequence] = field(default_factory=list)
-    first_scheduled: list[Sequence] = field(default_factory=list)   # admitted for the first time
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.entries)
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
 
 
 @dataclass
@@ -110,11 +95,7 @@ class Scheduler:
 
     def fits_in_pool(self, num_tokens: int) -> Optional[str]:
         """None when a sequence of `num_tokens` can ever be held by the pool, else why not."""
-        needed = -(-num_tokens // self.block_manager.block_size)
-        if needed > self.block_manager.num_blocks:
-            return (f"the prompt needs {needed} KV blocks but the pool has only "
-                    f"{self.block_manager.num_blocks} (raise kv_cache_memory)")
-        return None
+        return pool_problem(num_tokens, self.block_manager.block_size, self.block_manager.num_blocks)
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -292,7 +273,7 @@ class Scheduler:
             self.waiting.sort(key=Sequence.sort_key)
 
     # ------------------------------------------------------------------ after the forward pass
-    def update_from_output(self, batch: ScheduledBatch, result: "ForwardResult",
+    def update_from_output(self, batch: ScheduledBatch, result: StepOutput,
                            sampled: Optional["SamplerOutput"]) -> list[SequenceUpdate]:
         """Fold one step's results in: advance computed tokens, register full blocks in the prefix
         cache, append each sampled token (advancing its grammar matcher), detokenize, decide finishing
@@ -307,7 +288,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
         updates: dict[int, SequenceUpdate] = {}
-        for seq, start, logits in result.prompt_logits:
+        for index, start, logits in result.prompt_logits:
+            seq = batch.entries[index][0]
             entries = compute_prompt_logprobs(logits, seq.prompt_token_ids, seq.params.prompt_logprobs, start)
             first_new = seq.num_prompt_logprobs_emitted - (start + (0 if start == 0 else 1))
             new = entries[max(0, first_new):]     # recomputed after a preemption: emitted already
@@ -320,7 +302,7 @@ class Scheduler:
             updates[seq.seq_id] = SequenceUpdate(seq, CompletionDelta(seq.index, [], "", finish_reason="stop"),
                                                  pooled=vector)
         row = 0
-        for seq, num_rows in zip(result.sampled_seqs, result.rows_per_seq()):
+        for seq, num_rows in zip(result.sampled_seqs(batch), result.rows_per_seq()):
             if num_rows == 1:
                 delta = self._append_token(seq, sampled, row)
             else:

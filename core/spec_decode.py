@@ -46,7 +46,7 @@ from .sequence import Sequence
 from .spec_draft import DraftModel
 
 if TYPE_CHECKING:
-    from .model_runner import ForwardResult
+    from .step import ScheduledBatch, StepOutput
 
 
 class NgramProposer:
@@ -135,14 +135,14 @@ class Speculator:
         if self.draft is not None:
             self.draft.release(seq)
 
-    def sample(self, sampler: Sampler, result: "ForwardResult", rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, sampler: Sampler, result: "StepOutput", batch: "ScheduledBatch", rows: list[SamplingRow]) -> SamplerOutput:
         """The step's tokens: the sampler's, except for the rows of sequences verifying random
         drafts with a known q (a draft model's), decided by rejection sampling."""
         pending, self.pending_q = self.pending_q, {}
         special: list[int] = []
         groups: list[tuple[list[int], Optional[torch.Tensor]]] = []
         row = 0
-        for seq, n in zip(result.sampled_seqs, result.rows_per_seq()):
+        for seq, n in zip(result.sampled_seqs(batch), result.rows_per_seq()):
             q = pending.get(seq.seq_id) if n > 1 else None
             if q is not None:
                 groups.append((seq.spec_token_ids, q[:n - 1]))

@@ -36,7 +36,7 @@ from .model_runner import ModelRunner
 from .sampling.rejection import sample_rows
 from .sampling.sampler import Sampler, SamplingRow
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch
+from .step import ScheduledBatch
 from .sequence import Sequence
 
 logger = logging.getLogger("tokenmill.spec_draft")
@@ -123,7 +123,7 @@ class DraftModel:
             shadow.num_computed_tokens += n
         if result.logits is None:
             return {}
-        return {s.seq_id: result.logits[i] for i, s in enumerate(result.sampled_seqs)}
+        return {s.seq_id: result.logits[i] for i, s in enumerate(result.sampled_seqs(batch))}
 
     def _catch_up(self, shadows: list[_Shadow]) -> dict[int, torch.Tensor]:
         """Compute every shadow's uncomputed tokens (chunked to the token budget); the last logits

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 from .baselines.external import DEFAULT_PYTHON, DEFAULT_VLLM_MODEL, ENGINES
 from .baselines.plot import plot_results
+from .bench_profile import profile_lines, start_profile
 from .engine_args import add_engine_args, engine_kwargs
 
 
@@ -67,6 +68,9 @@ def add_bench_subparser(bench_subparsers) -> None:
                              "reports both runs' tok/s, their ratio, output validity and the cold compile time")
     parser.add_argument("--num-requests", type=int, default=None, metavar="N",
                         help="time only the workload's first N requests (smoke tests; not comparable numbers)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the decode program that ran (or why the model ran eagerly), the kernels each op "
+                             "kind reached, and each path's share of the forward time")
     parser.add_argument("--json", dest="json_path", default=None, help="write results to this file")
     add_engine_args(parser, model_positional=False)
     parser.set_defaults(func=run)
@@ -318,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"engine": header, "weight_memory": memory, "workloads": {}}
     if structured:
         results["structured_outputs"] = {"kind": structured, "backend": engine.structured.backend_name}
+    runner = start_profile(engine) if args.profile else None
     no_cache_llm = None
     if args.without_prefix_caching and engine.config.cache.enable_prefix_caching:
         no_cache_llm = LLM(**{**kwargs, "enable_prefix_caching": False})
@@ -349,6 +354,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['output_tok_s'] / hf['sequential']['output_tok_s']:.2f}x vs one at a time, "
                   f"{r['output_tok_s'] / hf['static_batch']['output_tok_s']:.2f}x vs static batch")
         results["workloads"][w.name] = entry
+    if runner is not None:
+        results["profile"] = {"fast_path": runner.fast_path_report(), "steps": runner.profile.summary()}
+        print("\n".join(profile_lines(results["profile"])))
     code = 0
     if args.baseline in ENGINES:
         prefix_caching = engine.config.cache.enable_prefix_caching

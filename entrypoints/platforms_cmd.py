@@ -32,7 +32,7 @@ def collect() -> dict[str, Any]:
         entry["attention_backends"] = [
             {"name": b, "loaded": b in backends, **({"error": backend_errors[b]} if b in backend_errors else {})}
             for b in desc.get("attention_backends", [])]
-        entry["graph_capture"] = desc.get("graph_capture", [])
+        entry["decode_programs"] = desc.get("decode_programs", [])
         entry["distributed_backend"] = desc.get("distributed_backend")
         entry["quantization"] = desc.get("quantization", [])
         entry["quantization_formats"] = desc.get("quantization_formats", {})
@@ -52,7 +52,7 @@ def table(rows: list[list[str]]) -> list[str]:
 
 def render(data: dict[str, Any]) -> str:
     header = ["PLATFORM", "ORIGIN", "API", "PRIO", "AVAILABLE", "ATTENTION (preference order)",
-              "GRAPH CAPTURE", "DISTRIBUTED"]
+              "DECODE PROGRAMS", "DISTRIBUTED"]
     rows = [header]
     notes: list[str] = []
     for p in data["platforms"]:
@@ -63,7 +63,7 @@ def render(data: dict[str, Any]) -> str:
         attention = ", ".join(b["name"] + ("" if b["loaded"] else "*") for b in p["attention_backends"]) or "-"
         rows.append([p["name"], p["origin"], str(p["api_version"] if p["api_version"] is not None else "?"),
                      str(p["priority"] if p["priority"] is not None else "-"), status, attention,
-                     ", ".join(p["graph_capture"]) or "-", p["distributed_backend"] or "-"])
+                     ", ".join(p["decode_programs"]) or "-", p["distributed_backend"] or "-"])
         notes.append(f"  {p['name']}: {p['reason']}" if p["reason"] else f"  {p['name']}")
     lines = table(rows)
     lines.append("")

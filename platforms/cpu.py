@@ -9,7 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, blocks_from_budget,
+from tokenmill.quantization.interface import QuantKernels
+
+from .interface import (Availability, DecodeProgram, LayerKernels, MemoryProfiler, Platform, blocks_from_budget,
                         resolve_dtype)
 
 logger = logging.getLogger("tokenmill.platforms.cpu")
@@ -90,10 +92,10 @@ class CpuMemoryProfiler(MemoryProfiler):
         return blocks_from_budget(self.budget_bytes(config.cache.kv_cache_memory), bytes_per_block)
 
 
-class TorchCompileCapture(GraphCapture):
+class TorchCompileProgram(DecodeProgram):
     name = "torch.compile"
 
-    def wrap(self, forward, runner):
+    def build(self, forward, model):
         return torch.compile(forward, dynamic=True)
 
 
@@ -113,10 +115,10 @@ class CpuPlatform(Platform):
     def memory_profiler(self) -> MemoryProfiler:
         return CpuMemoryProfiler()
 
-    def graph_capture_strategies(self) -> list[str]:
+    def decode_programs(self) -> list[str]:
         return ["fused_decode", "none", "torch.compile"]
 
-    def graph_capture(self, config) -> GraphCapture:
+    def decode_program(self, config) -> DecodeProgram:
         """Default: "fused_decode" (decode steps as one native call, platforms/cpu_fused_decode.py)
         for quantization="int4", "gguf" (its natively packed GGUF parts, multiplied in place: the
         same kernels and int8 activations as its eager matmuls), "int8" (its int8 per-channel
@@ -124,7 +126,7 @@ class CpuPlatform(Platform):
         eager, token-identical to transformers. enforce_eager or TOKENMILL_CPU_KERNELS=0: eager.
         Where the step cannot take a model (tiled GGUF formats, no VNNI, ...) it says why in the
         log and the model runs eagerly."""
-        from .cpu_fused_decode import FusedDecodeCapture
+        from .cpu_fused_decode import FusedDecodeProgram
         from .native_build import disabled
 
         choice = config.device.graph_capture
@@ -133,18 +135,18 @@ class CpuPlatform(Platform):
                          else "s8" if quantization == "int8"
                          else "bf16" if config.model.dtype == "bfloat16" and not quantization else None)
         if config.device.enforce_eager or choice == "none":
-            return GraphCapture()
+            return DecodeProgram()
         if choice is None:
-            return FusedDecodeCapture(weight_format) if weight_format and not disabled() else GraphCapture()
+            return FusedDecodeProgram(weight_format) if weight_format and not disabled() else DecodeProgram()
         if choice == "torch.compile":
-            return TorchCompileCapture()
+            return TorchCompileProgram()
         if choice == "fused_decode":
             if weight_format is None:
                 raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' or dtype 'bfloat16' "
                                  "on the cpu platform (float32 runs eagerly, matching transformers)")
-            return FusedDecodeCapture(weight_format)
+            return FusedDecodeProgram(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
-                         f"(offers {self.graph_capture_strategies()})")
+                         f"(offers {self.decode_programs()})")
 
     def distributed_backend(self) -> str:
         return "gloo"
@@ -171,7 +173,7 @@ class CpuPlatform(Platform):
             return torch.float32
         return dtype
 
-    def layer_kernels(self, config) -> dict[str, Any]:
+    def layer_kernels(self, config) -> LayerKernels:
         """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
         when they build here (they agree with torch only to rounding, so only where exact parity
         with transformers is not promised) and the native int8 LM head for decode steps
@@ -183,39 +185,39 @@ class CpuPlatform(Platform):
         from . import cpu_kernels
         from .cpu_layer_kernels import native_layer_kernels
         from .cpu_decode_kernels import NativeBf16Linear, NativeHeadKernel
-        from .cpu_fused_decode import FusedDecodeCapture
+        from .cpu_fused_decode import FusedDecodeProgram
         from .cpu_linear import Bf16WeightLinear
 
         if config.model.quantization == "gguf":
             # Weights stay in GGUF blocks (quantization/gguf_linear.py): no dense-weight kernels.
-            return native_layer_kernels() if cpu_kernels.available() is None else {}
-        fused = isinstance(self.graph_capture(config), FusedDecodeCapture)
+            return native_layer_kernels() if cpu_kernels.available() is None else LayerKernels()
+        fused = isinstance(self.decode_program(config), FusedDecodeProgram)
         if config.model.quantization == "int4":
-            kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
+            kernels = native_layer_kernels() if cpu_kernels.available() is None else LayerKernels()
             if NativeHeadKernel.available("q8") is None:
-                kernels["lm_head"] = NativeHeadKernel("q8")
+                kernels.lm_head = NativeHeadKernel("q8")
             return kernels
         if config.model.quantization is not None:
             # awq/gptq/compressed-tensors/fp8/int8 keep their own stored weights: no dense-weight kernels.
-            return {}
+            return LayerKernels()
         if config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16:
             # bf16 activations: the native norm/rope/SiLU in bf16 (torch's roundings; a W4 prompt
             # spent ~1.4 s of 6.7 in those torch ops) and, for decode steps, the head in the fused
             # step's bf16 form (the weights are bf16 already).
-            kernels = native_layer_kernels() if cpu_kernels.available() is None else {}
+            kernels = native_layer_kernels() if cpu_kernels.available() is None else LayerKernels()
             if fused and NativeHeadKernel.available("bf16") is None:
-                kernels["lm_head"] = NativeHeadKernel("bf16")
+                kernels.lm_head = NativeHeadKernel("bf16")
             if NativeBf16Linear.available() is None:
                 # AMX tiles for the eager steps' smaller matmuls; the fused step reads the same
                 # packed weights instead of packing its own copy.
-                kernels["linear"] = NativeBf16Linear()
+                kernels.linear = NativeBf16Linear()
             return kernels
         if (os.environ.get("TOKENMILL_CPU_PACKED_LINEAR", "1") == "0" or Bf16WeightLinear.available()
                 or config.model.dtype != "bfloat16" or self.activation_dtype(torch.bfloat16) != torch.float32
                 or (config.device.graph_capture or "none") != "none"):
-            return {}
+            return LayerKernels()
         kernel = Bf16WeightLinear()
-        return {"linear": kernel, "lm_head": kernel}
+        return LayerKernels(linear=kernel, lm_head=kernel)
 
     def quantization_methods(self) -> list[str]:
         # awq/gptq/compressed-tensors: checkpoint formats (detected from config.json); fp8/int8:
@@ -236,20 +238,20 @@ class CpuPlatform(Platform):
         formats.update({"compressed-tensors:int8": "native", "int8": "native"})
         return formats
 
-    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
+    def quantization_kernels(self, name: str) -> QuantKernels:
         """int4: the native ends of its int8 GEMMs (platforms/cpu_kernels.py), when they build here."""
         from . import cpu_kernels
 
         if name == "gguf":
             from . import cpu_gguf_kernels as g
             if g.available() is not None:
-                return {}
-            return {"fits": g.fits, "pack_affine4": g.pack_affine4, "pack_int8_groups": g.pack_int8_groups,
-                    "pack_q4k": g.pack_q4k, "pack_q6k": g.pack_q6k,
-                    "matmul": g.matmul, "dequantize_rows": g.dequantize_rows}
+                return QuantKernels()
+            return QuantKernels(fits=g.fits, pack_affine4=g.pack_affine4, pack_int8_groups=g.pack_int8_groups,
+                                pack_q4k=g.pack_q4k, pack_q6k=g.pack_q6k, matmul=g.matmul,
+                                dequantize_rows=g.dequantize_rows)
         # int8 and compressed-tensors' W8A8 run the same per-token int8 GEMMs as int4's batches.
         if name not in ("int4", "int8", "compressed-tensors") or cpu_kernels.available() is not None:
-            return {}
+            return QuantKernels()
         kernels = {"quantize_rows_int8": cpu_kernels.quantize_rows_int8,
                    "dequantize_int32": cpu_kernels.dequantize_int32}
         if name == "int4":
@@ -263,7 +265,7 @@ class CpuPlatform(Platform):
                 # call): 2048 x 3072 x 576 in 6.0 ms vs 8.6 for torch._int_mm with its quantize,
                 # outlier and dequantize passes (platforms/cpu_decode_kernels.py).
                 kernels.update(pack_s8=native.pack_s8_weight, matmul_s8=native.matmul_s8)
-        return kernels
+        return QuantKernels(**kernels)
 
     def lora_kernels(self) -> Callable[..., None] | None:
         """The native batched LoRA op (platforms/cpu_lora.py: one shrink + expand pass per adapted

@@ -7,12 +7,11 @@ decoder step built on them is platforms/cpu_fused_decode.py.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .native_build import NativeLibrary
+from .native_build import NativeLibrary, source
 
 ABI_VERSION = 4
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
@@ -54,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.bf16_linear.argtypes = [ctypes.POINTER(NativeLinear), p, i64, p, p]
 
 
-LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "cpu_decode_step.cpp", ABI_VERSION, _declare)
+LIBRARY = NativeLibrary(source("cpu_decode_step.cpp"), ABI_VERSION, _declare)
 
 
 def vnni_peak_gops(iterations: int = 2_000_000) -> float:

@@ -1,4 +1,4 @@
-"""The cpu platform's "fused_decode" graph-capture strategy: a step of a few tokens (decodes,
+"""The cpu platform's "fused_decode" decode program: a step of a few tokens (decodes,
 verified drafts, short prompt chunks: up to MAX_FUSED_TOKENS in all) or of decodes only (up to
 MAX_FUSED_DECODES sequences) runs the whole decoder in one native call
 (platforms/csrc/cpu_decode_step.cpp) instead of ~45 torch ops per layer; other steps (prompt
@@ -6,9 +6,9 @@ chunks) run the eager model.
 
 It asks the model for `decoder_stack()` (platforms/interface.py DecoderStackSpec), re-lays out
 the weights once into the kernel's blocks (4-bit groups from the quantization method's
-`affine_groups`; int8 per-channel weights from its `int8_channels` under quantization="int8",
-"s8"; bf16 pairs) or, for weights the quantization method already keeps in this
-library's packed form (quantization="gguf": "native"), takes its `native_linear` parts as they
+`weight_form(layer, AffineGroups)`; int8 per-channel weights from its Int8Channels under
+quantization="int8", "s8"; bf16 pairs) or, for weights the quantization method already keeps in
+this library's packed form (quantization="gguf": "native"), takes its PlatformPacked parts as they
 are (no copy; an embedding kept quantized is looked up by the model's own `embed` in torch and
 handed in as rows), and calls each layer's attention through the backend's
 `native_decode_fn` (attention_backends/interface.py NATIVE_DECODE_ABI). When any of that is
@@ -26,12 +26,15 @@ differ (and int8 rounding of activations can amplify that over many layers).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
 import torch
 
-from .interface import DecoderStackSpec, GraphCapture
+from tokenmill.quantization.interface import AffineGroups, Int8Channels, PlatformPacked
+
+from .interface import LLAMA_LAYER, DecoderStackSpec, DecodeProgram, LayerStructure, ModelView
 from .cpu_decode_kernels import (BF16, LIBRARY, Q4, ROWS, PackedBf16, S8Weight, NativeLayer, NativeLinear, NativeModel,
                                  pack_bf16, pack_q4, pack_s8, pack_s8_weight, s8_linear)
 
@@ -53,7 +56,7 @@ BATCH_ROWS = 8
 WEIGHT_FORMATS = ("q4", "bf16", "native", "s8")
 
 
-class FusedDecodeCapture(GraphCapture):
+class FusedDecodeProgram(DecodeProgram):
     name = "fused_decode"
     attention_mode = "none"     # the backend runs eagerly or through its native entry, never traced
 
@@ -62,16 +65,17 @@ class FusedDecodeCapture(GraphCapture):
             raise ValueError(f"fused_decode weight format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
         self.weight_format = weight_format
 
-    def wrap(self, forward: Callable[..., torch.Tensor], runner: Any) -> Callable[..., torch.Tensor]:
-        why = self.unavailable(runner)
+    def build(self, forward: Callable[..., torch.Tensor], model: ModelView) -> Callable[..., torch.Tensor]:
+        why = self.unavailable(model)
+        if not why:
+            try:
+                step = _FusedStep(self._spec, model.attention_layers, self.weight_format, model.num_blocks,
+                                  model.block_size)
+            except _Unsupported as e:
+                why = str(e)
         if why:
+            self.eager_reason = why
             logger.info("fused_decode: running the model eagerly: %s", why)
-            return forward
-        try:
-            step = _FusedStep(self._spec, runner.layers, self.weight_format, runner.num_blocks,
-                              runner.block_size)
-        except _Unsupported as e:
-            logger.info("fused_decode: running the model eagerly: %s", e)
             return forward
         logger.info("fused_decode: steps of up to %d tokens (%d decodes) run as one native call (%s)",
                     MAX_FUSED_TOKENS, MAX_FUSED_DECODES,
@@ -81,16 +85,18 @@ class FusedDecodeCapture(GraphCapture):
         def fused_or_eager(input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
             tokens = input_ids.shape[0]
             if tokens <= MAX_FUSED_TOKENS or (tokens <= MAX_FUSED_DECODES and meta.num_decodes == tokens):
+                fused_or_eager.last_path = self.name
                 return step(input_ids, positions, meta)
+            fused_or_eager.last_path = "eager"
             return forward(input_ids, positions, meta)
 
         fused_or_eager.fused_step = step        # for tests and profiling
+        fused_or_eager.last_path = self.name    # which path the last step took (`bench --profile`)
         return fused_or_eager
 
-    def unavailable(self, runner: Any) -> Optional[str]:
+    def unavailable(self, model: ModelView) -> Optional[str]:
         """Why the fused step cannot run this model here, or None."""
-        parallel = getattr(getattr(runner, "config", None), "parallel", None)
-        if parallel is not None and parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        if model.world_size > 1:
             # One native call per decoder stack cannot all-reduce after its row-parallel layers
             # nor hand hidden states to another pipeline stage.
             return "tensor/pipeline parallelism needs collectives inside the step"
@@ -102,10 +108,13 @@ class FusedDecodeCapture(GraphCapture):
             return "this CPU has no AVX512-VNNI"
         if self.weight_format == "bf16" and not caps & 2:
             return "this CPU has no AVX512-BF16"
-        if not hasattr(runner.model, "decoder_stack"):
-            return f"{type(runner.model).__name__} offers no decoder_stack()"
-        spec: DecoderStackSpec = runner.model.decoder_stack()
-        self._spec = spec             # what wrap() packs
+        if not hasattr(model.model, "decoder_stack"):
+            return f"{type(model.model).__name__} offers no decoder_stack()"
+        spec: DecoderStackSpec = model.model.decoder_stack()
+        self._spec = spec             # what build() packs
+        beyond = outside_vocabulary(spec)
+        if beyond:
+            return "its layers use what the native step does not express: " + "; ".join(beyond)
         if spec.head_size % 2 or spec.hidden_size % 32 or spec.intermediate_size % 32:
             return "hidden, intermediate and head sizes must be multiples of 32 (head size even)"
         for i, layer in enumerate(spec.layers):
@@ -117,6 +126,37 @@ class FusedDecodeCapture(GraphCapture):
                 if shape[0] % ROWS or shape[1] % 32:
                     return f"layer {i} {name}: {shape} is not in blocks of 16 x 32"
         return None
+
+
+# What the native step (platforms/csrc/cpu_decode_step.cpp) expresses of the layer vocabulary
+# (platforms/interface.py LayerStructure): pre-norm RMSNorm with plain weights, rotate-half rope over
+# the whole head, per-layer sliding windows and q/k norms, a SiLU-gated dense FFN, biases.
+NATIVE_LAYER = LLAMA_LAYER
+
+
+def outside_vocabulary(spec: DecoderStackSpec) -> list[str]:
+    """Each layer entry (and model entry) the native step cannot run, grouped by layers: "layers
+    0-5: activation gelu_tanh", ...; empty when it runs the whole stack."""
+    found: dict[str, list[int]] = {}
+    for i, layer in enumerate(spec.layers):
+        for f in dataclasses.fields(LayerStructure):
+            value = getattr(layer.structure, f.name)
+            if value != getattr(NATIVE_LAYER, f.name):
+                found.setdefault(f"{f.name} {value}", []).append(i)
+    out = [f"layers {_ranges(layers)}: {what}" for what, layers in found.items()]
+    if spec.embedding_scale != 1.0:
+        out.append(f"embedding_scale {spec.embedding_scale:g}")
+    return out
+
+
+def _ranges(indices: list[int]) -> str:
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class _Unsupported(Exception):
@@ -180,12 +220,11 @@ class _FusedStep:
         for layer in spec.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 linear = getattr(layer, name)
-                kept = getattr(linear.quant_method, "batch_weight", None)       # S8Weight, used in place
-                found = kept(linear) if kept is not None else None
+                kept = linear.quant_method.weight_form(linear, PlatformPacked)       # S8Weight, used in place
+                found = kept.parts if kept is not None else None
                 if not isinstance(found, S8Weight):
-                    channels = getattr(linear.quant_method, "int8_channels", None)
-                    found = channels(linear) if channels is not None else None
-                    found = pack_s8_weight(*found) if found is not None else None
+                    channels = linear.quant_method.weight_form(linear, Int8Channels)
+                    found = pack_s8_weight(channels.q, channels.scale) if channels is not None else None
                 if found is None:
                     return None
                 parts.append(found)
@@ -209,8 +248,8 @@ class _FusedStep:
         n, k = _shape(linear)
         out = NativeLinear(kind=Q4 if weight_format == "q4" else BF16, n=n, k=k)
         if weight_format == "native":
-            native = getattr(linear.quant_method, "native_linear", None)
-            packed = native(linear) if native is not None else None
+            kept = linear.quant_method.weight_form(linear, PlatformPacked)
+            packed = kept.parts if kept is not None else None
             if packed is None or not isinstance(getattr(packed, "linear", None), NativeLinear):
                 raise _Unsupported(f"{where}: its quantization method keeps no single native part "
                                    f"(tiled, float or mixed formats)")
@@ -219,17 +258,16 @@ class _FusedStep:
             out = NativeLinear.from_buffer_copy(packed.linear)          # the struct; the bytes stay the method's
             tensors = tuple(packed.tensors)
         elif weight_format == "s8":
-            channels = getattr(linear.quant_method, "int8_channels", None)
-            found = channels(linear) if channels is not None else None
-            if found is None:
+            channels = linear.quant_method.weight_form(linear, Int8Channels)
+            if channels is None:
                 raise _Unsupported(f"{where}: its quantization method keeps no int8 per-channel weights")
-            tensors = pack_s8(*found)
+            tensors = pack_s8(channels.q, channels.scale)
             out = s8_linear(tensors, n, k)
         elif weight_format == "q4":
-            groups = linear.quant_method.affine_groups(linear)
-            if groups is None or groups[3] != 32:
+            groups = linear.quant_method.weight_form(linear, AffineGroups)
+            if groups is None or groups.group_size != 32:
                 raise _Unsupported(f"{where}: its quantization method has no 4-bit groups of 32")
-            tensors = pack_q4(*groups[:3])
+            tensors = pack_q4(groups.q, groups.scale, groups.low)
             out.weight, out.scales, out.lows = (t.data_ptr() for t in tensors)
         else:
             prepared = getattr(linear, "prepared", None)       # NativeBf16Linear's packed form, shared

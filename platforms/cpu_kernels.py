@@ -6,12 +6,11 @@ int4 quantization method (Platform.quantization_kernels). Built on first use by 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .native_build import NativeLibrary
+from .native_build import NativeLibrary, source
 
 ABI_VERSION = 8
 
@@ -30,7 +29,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
-LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "cpu_kernels.cpp", ABI_VERSION, _declare)
+LIBRARY = NativeLibrary(source("cpu_kernels.cpp"), ABI_VERSION, _declare)
 
 
 def available() -> Optional[str]:

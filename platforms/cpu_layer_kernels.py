@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from . import cpu_kernels
+from .interface import LayerKernels
 
 
 # bf16: float32 math rounded where torch's bf16 ops round (norm, then weight; each rotary
@@ -78,7 +79,6 @@ class NativeSiluAndMul:
         return out
 
 
-def native_layer_kernels() -> dict[str, Any]:
-    """The kernels by the names the core's layers take them under; the caller checks
-    `cpu_kernels.available()` first."""
-    return {"rms_norm": NativeRMSNorm(), "rotary": NativeRotary(), "silu_and_mul": NativeSiluAndMul()}
+def native_layer_kernels() -> LayerKernels:
+    """The elementwise kernels; the caller checks `cpu_kernels.available()` first."""
+    return LayerKernels(rms_norm=NativeRMSNorm(), rotary=NativeRotary(), silu_and_mul=NativeSiluAndMul())

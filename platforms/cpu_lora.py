@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
-from .native_build import NativeLibrary
+from .native_build import NativeLibrary, source
 
 ABI_VERSION = 1
 _SUPPORTED = (torch.float32, torch.bfloat16)
@@ -28,7 +27,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lora_add.restype = None
 
 
-LIBRARY = NativeLibrary(Path(__file__).with_name("csrc") / "cpu_lora.cpp", ABI_VERSION, _declare)
+LIBRARY = NativeLibrary(source("cpu_lora.cpp"), ABI_VERSION, _declare)
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,9 +14,9 @@ import logging
 import torch
 
 from . import _probe
-from .cpu import TorchCompileCapture
-from .cuda_graphs import CudaGraphCapture
-from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, choose_graph_capture,
+from .cpu import TorchCompileProgram
+from .cuda_graphs import CudaGraphProgram
+from .interface import (Availability, DecodeProgram, MemoryProfiler, Platform, choose_decode_program,
                         resolve_dtype)
 from .memory import GiB, MiB, TorchDeviceMemoryProfiler
 
@@ -94,16 +94,16 @@ class CudaPlatform(Platform):
         return TorchDeviceMemoryProfiler(self.name, _cuda_module, baseline_used=self._baseline_used,
                                          reserve=CUDA_GRAPH_RESERVE_BYTES if self._graphs_on else 0)
 
-    def graph_capture_strategies(self) -> list[str]:
+    def decode_programs(self) -> list[str]:
         return ["cuda_graphs", "none", "torch.compile"]
 
-    def graph_capture(self, config) -> GraphCapture:
-        choice = choose_graph_capture(config, self.name, self.graph_capture_strategies(), "cuda_graphs")
+    def decode_program(self, config) -> DecodeProgram:
+        choice = choose_decode_program(config, self.name, self.decode_programs(), "cuda_graphs")
         if choice == "cuda_graphs":
-            return CudaGraphCapture(_cuda_module)
+            return CudaGraphProgram(_cuda_module)
         if choice == "torch.compile":
-            return TorchCompileCapture()
-        return GraphCapture()
+            return TorchCompileProgram()
+        return DecodeProgram()
 
     def distributed_backend(self) -> str:
         return "nccl"
@@ -118,7 +118,7 @@ class CudaPlatform(Platform):
             config.model.dtype = "bfloat16" if bf16 else "float16"
         elif config.model.dtype in ("bfloat16", "bf16") and not bf16:
             raise ValueError(f"dtype bfloat16 is not supported by {torch.cuda.get_device_name(0)}; use float16")
-        self._graphs_on = choose_graph_capture(config, self.name, self.graph_capture_strategies(),
+        self._graphs_on = choose_decode_program(config, self.name, self.decode_programs(),
                                                "cuda_graphs") == "cuda_graphs"
         # What was in use before this engine loaded anything is not charged to it.
         free, total = torch.cuda.mem_get_info()

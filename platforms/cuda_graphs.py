@@ -11,8 +11,8 @@ How it works
 * A decode-only batch (every sequence has query length 1) of n <= the largest size is padded
   to the next captured size B: its tensors are copied into the static buffers and the graph is
   replayed; rows [:n] of its output are returned (a copy). Padding rows either
-  - use the runner's `pad_slot_id` (a KV slot no sequence owns, e.g. in a reserved null block):
-    seq_len 1, block table -> that block; or, when the runner has none,
+  - use the model view's `pad_slot_id` (a KV slot no sequence owns, e.g. in a reserved null block):
+    seq_len 1, block table -> that block; or, when it has none,
   - repeat the last real row exactly (same token, position, context, slot): they compute the
     same key/value as that row and write it to the same slot, so nothing is disturbed.
 * Anything else (prefill chunks, mixed batches, more tokens than the largest size, block tables
@@ -24,9 +24,9 @@ the host-side fields (num_seqs, num_decodes, max_query_len, max_seq_len, *_cpu l
 fixed at capture to the padded size and upper bounds (max_seq_len = max_blocks_per_seq *
 block_size) and may only be used as such.
 
-What the runner must expose: max_num_seqs, block_size, max_blocks_per_seq, device; optionally
-pad_slot_id, and attn_backend or backend_cls (if it does not list "cuda_graphs" in
-supported_graph_modes, `wrap` returns the eager forward). Graphs are captured lazily at the
+What it reads of the ModelView (platforms/interface.py): max_num_seqs, block_size,
+max_blocks_per_seq, device, pad_slot_id, and attention_backend (if it does not list "cuda_graphs" in
+supported_graph_modes, `build` returns the eager forward). Graphs are captured lazily at the
 first decode batch, replicating one of its real rows (so the warm-up writes only what that row
 writes anyway); `capture_all()` may also be called at start-up, before any KV is live.
 """
@@ -40,7 +40,7 @@ import torch
 
 from tokenmill.attention_backends.interface import AttentionMetadata
 
-from .interface import GraphCapture
+from .interface import DecodeProgram, ModelView
 
 logger = logging.getLogger("tokenmill.platforms.cuda_graphs")
 
@@ -74,9 +74,9 @@ def _first_row(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 class CudaGraphRunner:
-    """The callable `CudaGraphCapture.wrap` returns: replays graphs for decode batches."""
+    """The callable `CudaGraphProgram.build` returns: replays graphs for decode batches."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], runner: Any, sizes: list[int],
+    def __init__(self, forward: Callable[..., torch.Tensor], runner: ModelView, sizes: list[int],
                  device_module: Callable[[], Any] = lambda: torch.cuda, num_warmups: int = 1) -> None:
         self.forward = forward
         self.sizes = list(sizes)
@@ -84,7 +84,7 @@ class CudaGraphRunner:
         self.block_size = int(runner.block_size)
         self.max_blocks_per_seq = int(runner.max_blocks_per_seq)
         self.device = torch.device(runner.device)
-        pad = getattr(runner, "pad_slot_id", None)
+        pad = runner.pad_slot_id
         self.pad_slot_id: Optional[int] = None if pad is None else int(pad)
         self._mod = device_module
         self.num_warmups = num_warmups
@@ -227,8 +227,8 @@ class CudaGraphRunner:
         return padded_batch_size(n, self.sizes)
 
 
-class CudaGraphCapture(GraphCapture):
-    """Graph-capture strategy "cuda_graphs": `wrap` returns a CudaGraphRunner."""
+class CudaGraphProgram(DecodeProgram):
+    """Decode program "cuda_graphs": `build` returns a CudaGraphRunner."""
     name = "cuda_graphs"
 
     def __init__(self, device_module: Callable[[], Any] = lambda: torch.cuda,
@@ -236,12 +236,12 @@ class CudaGraphCapture(GraphCapture):
         self._mod = device_module
         self.max_capture_size = max_capture_size
 
-    def wrap(self, forward, runner):
-        backend = getattr(runner, "attn_backend", None) or getattr(runner, "backend_cls", None)
+    def build(self, forward: Callable[..., torch.Tensor], model: ModelView) -> Callable[..., torch.Tensor]:
+        backend = model.attention_backend
         modes = getattr(backend, "supported_graph_modes", None)
         if modes is not None and self.name not in modes:
             logger.warning("attention backend %r does not support CUDA graphs (supports %s): running eagerly",
                            getattr(backend, "name", backend), list(modes))
             return forward
-        sizes = cuda_graph_capture_sizes(runner.max_num_seqs, self.max_capture_size)
-        return CudaGraphRunner(forward, runner, sizes, self._mod)
+        sizes = cuda_graph_capture_sizes(model.max_num_seqs, self.max_capture_size)
+        return CudaGraphRunner(forward, model, sizes, self._mod)

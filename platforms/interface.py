@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
 
 import torch
+
+from tokenmill.quantization.interface import QuantKernels
 
 if TYPE_CHECKING:  # the core's config, only for type hints: platforms import nothing upward
     from tokenmill.core.config import EngineConfig
 
-PLATFORM_API_VERSION = 1
+PLATFORM_API_VERSION = 2
 logger = logging.getLogger("tokenmill.platforms")
 
 
@@ -98,12 +101,34 @@ class DefaultMemoryProfiler(MemoryProfiler):
         return blocks
 
 
+@dataclass(frozen=True)
+class LayerStructure:
+    """The vocabulary a decoder layer is written in: what a decode program must express to run it.
+    The defaults are the Llama layer; a family states only where it differs (Gemma: norm_offset 1,
+    sandwich norms, gelu_tanh, soft-capping; Phi-3 / GLM: partial rotary; OLMo 2: post norms;
+    SmolLM3: NoPE layers; GPT-OSS: sinks; MoE families: an expert FFN)."""
+    norm: str = "rms"                  # "rms" | "layer" (LayerNorm with bias)
+    norm_offset: float = 0.0           # norm weights applied as (offset + w): Gemma's (1 + w)
+    norm_placement: str = "pre"        # "pre" | "post" (after each block, OLMo 2) | "sandwich" (both)
+    rotary: str = "neox"               # "neox" (rotate halves) | "gptj" (interleaved pairs) | "none" (NoPE)
+    rotary_dim: Optional[int] = None   # partial rotary: the leading dims of each head; None: all
+    attn_logit_softcap: Optional[float] = None
+    attention_sinks: bool = False      # a learned per-head logit in the softmax's denominator
+    activation: str = "silu"           # the gated FFN's activation: "silu" | "gelu_tanh" | "gelu"
+    ffn: str = "dense"                 # "dense" (gate_up / down) | "moe"
+    parallel_block: bool = False       # attention and FFN read the same normed input (Cohere, GPT-J)
+
+
+LLAMA_LAYER = LayerStructure()
+
+
 @dataclass
 class DecoderLayerSpec:
-    """One pre-norm decoder layer as a fused step reads it: x += o(attn(rope(qkv(norm(x)))));
-    x += down(silu(gate) * up) of gate_up(norm(x)). Linear layers are the core's (`weight`
-    [N, K], `bias`, `quant_method` with the quantization interface); `attention` is the core's
-    attention layer (`impl`: the backend, `kv_cache`, `scale`, `sliding_window`)."""
+    """One decoder layer as a decode program reads it: its tensors and its `structure`. With the
+    default structure: x += o(attn(rope(qkv(norm(x))))); x += down(silu(gate) * up) of
+    gate_up(norm(x)). Linear layers are the core's (`weight` [N, K], `bias`, `quant_method` with the
+    quantization interface); `attention` is the core's attention layer (`impl`: the backend,
+    `kv_cache`, `scale`, `sliding_window` per layer)."""
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     qkv: Any
@@ -113,13 +138,14 @@ class DecoderLayerSpec:
     attention: Any
     q_norm: Optional[torch.Tensor] = None      # per-head RMSNorm of q and k before rope (Qwen3)
     k_norm: Optional[torch.Tensor] = None
+    structure: LayerStructure = LLAMA_LAYER
 
 
 @dataclass
 class DecoderStackSpec:
-    """What a model offers a platform's fused decode step (`model.decoder_stack()`): a Llama-style
-    decoder with RMSNorm (eps), rotate-half rope from `cos_sin` [positions, head_size] (cos | sin),
-    SiLU-gated MLP and a final norm; the LM head stays the model's own."""
+    """What a model offers a platform's decode program (`model.decoder_stack()`): its layers in the
+    LayerStructure vocabulary, RMSNorm eps, the rope table `cos_sin` [positions, rotary dims] (cos |
+    sin) and a final norm; the LM head stays the model's own."""
     embedding: torch.Tensor
     final_norm: torch.Tensor
     eps: float
@@ -133,22 +159,83 @@ class DecoderStackSpec:
     # The model's own lookup, ids [T] -> [T, hidden]: a step uses it where `embedding` is no dense
     # table (an embedding kept quantized, quantization="gguf": its weight only carries the shape).
     embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    embedding_scale: float = 1.0             # embeddings times this (Gemma: sqrt(hidden))
+    final_logit_softcap: Optional[float] = None   # applied by the model's compute_logits
 
 
-class GraphCapture:
-    """How a platform turns the eager forward into something cheaper to launch."""
+@dataclass
+class LayerKernels:
+    """The op kernels a platform offers the core's layers, by op kind; every one optional.
+
+    Elementwise ops are callables that may return NotImplemented for an input they do not take (the
+    layer then runs torch): rms_norm(x, weight, eps, residual), rotary(positions, x, cos_sin_cache),
+    silu_and_mul(x). Dense matmuls are objects with `prepare(weight) -> prepared` (once, after
+    loading) and `__call__(x, prepared, bias)`: `linear` for the layers kept unquantized, `lm_head`
+    for the vocabulary projection. A quantized layer's matmul is its quantization method's `apply`
+    (with the platform's QuantKernels); attention is the attention backend's."""
+    rms_norm: Optional[Callable[..., Any]] = None
+    rotary: Optional[Callable[..., Any]] = None
+    silu_and_mul: Optional[Callable[..., Any]] = None
+    linear: Any = None
+    lm_head: Any = None
+
+    @classmethod
+    def of(cls, kernels: "LayerKernels | Mapping[str, Any] | None") -> "LayerKernels":
+        """From a mapping by op kind (an unknown kind is a ValueError, so a misspelt name cannot
+        silently leave the torch path on)."""
+        if isinstance(kernels, cls):
+            return kernels
+        given = dict(kernels or {})
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"unknown layer kinds {unknown} in the platform's kernels; known: {sorted(known)}")
+        return cls(**given)
+
+    def offered(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def __bool__(self) -> bool:      # "were any kernels given"
+        return bool(self.offered())
+
+
+@dataclass
+class ModelView:
+    """What a decode program may read of the loaded model and its KV pool (the model runner builds
+    it): the network, its attention layers (each with `impl`, the backend instance, `kv_cache`,
+    `scale`, `sliding_window`) and the pool's geometry."""
+    model: torch.nn.Module           # offers decoder_stack() -> DecoderStackSpec when its layers compose
+    attention_layers: list[Any]
+    attention_backend: type          # the backend class every attention layer uses
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    max_num_seqs: int
+    device: torch.device
+    world_size: int = 1              # tensor x pipeline parallel ranks
+    pad_slot_id: Optional[int] = None   # a slot padded rows may write to (None: the backend's choice)
+
+
+class DecodeProgram:
+    """How a platform runs steps faster than the eager forward: the cpu platform's native decode
+    step composed from the model's layer spec, CUDA graphs, XLA's compiled buckets, torch.compile.
+    The base class is the eager forward itself."""
     name: ClassVar[str] = "none"
-    # What attention backends must support (`supported_graph_modes`): a strategy that never puts
+    # What attention backends must support (`supported_graph_modes`): a program that never puts
     # the backend's forward inside a graph says "none".
     attention_mode: ClassVar[Optional[str]] = None     # None: `name`
+
+    # Why `build` returned the eager forward, when it did (`tokenmill bench throughput --profile`).
+    eager_reason: Optional[str] = None
 
     @classmethod
     def backend_mode(cls) -> str:
         return cls.attention_mode or cls.name
 
-    def wrap(self, forward: Callable[..., torch.Tensor], runner: Any) -> Callable[..., torch.Tensor]:
-        """Return the callable the model runner invokes each step, same signature as `forward`:
-        forward(input_ids, positions, attn_metadata) -> hidden states."""
+    def build(self, forward: Callable[..., torch.Tensor], model: ModelView) -> Callable[..., torch.Tensor]:
+        """The callable the model runner invokes each step, same signature as `forward`:
+        forward(input_ids, positions, attn_metadata) -> hidden states. Whatever the program cannot
+        run goes to `forward` (said once in the log), never to a wrong answer."""
         return forward
 
 
@@ -182,16 +269,17 @@ class Platform:
         """Bytes free on the device now (default: the host's available RAM)."""
         return host_memory()[1]
 
-    def graph_capture(self, config: "EngineConfig") -> GraphCapture:
-        return GraphCapture()
+    def decode_program(self, config: "EngineConfig") -> DecodeProgram:
+        return DecodeProgram()
 
-    def graph_capture_name(self, config: "EngineConfig") -> str:
-        """The strategy `graph_capture(config)` will use ("none", "torch.compile", "cuda_graphs",
-        "xla"): what the runner puts in AttentionConfig.graph_capture."""
-        return self.graph_capture(config).name
+    def decode_program_name(self, config: "EngineConfig") -> str:
+        """The program `decode_program(config)` will use ("none", "fused_decode", "torch.compile",
+        "cuda_graphs", "xla"): what the runner puts in AttentionConfig.graph_capture."""
+        return self.decode_program(config).name
 
-    def graph_capture_strategies(self) -> list[str]:
-        """Names of the strategies this platform offers, default first (for `tokenmill platforms`)."""
+    def decode_programs(self) -> list[str]:
+        """Names of the decode programs this platform offers, default first (for `tokenmill platforms`;
+        `--graph-capture NAME` picks one)."""
         return ["none"]
 
     def distributed_backend(self) -> str:
@@ -223,17 +311,15 @@ class Platform:
         the platforms that list it); `tokenmill platforms` shows this table."""
         return {}
 
-    def quantization_kernels(self, name: str) -> dict[str, Callable[..., Any]]:
-        """Native kernels for quantization method `name`, under the names the method takes them
-        (its `use_kernels`); empty: it runs its torch path."""
-        return {}
+    def quantization_kernels(self, name: str) -> QuantKernels:
+        """Native kernels for quantization method `name` (its `use_kernels`); any left None, the
+        method runs its torch path for."""
+        return QuantKernels()
 
-    def layer_kernels(self, config: "EngineConfig") -> dict[str, Any]:
-        """Kernels the core swaps into its layers after loading, by layer kind: "rms_norm",
-        "rotary", "silu_and_mul" (callables that may return NotImplemented to fall back to torch),
-        "linear", "lm_head" (objects with `prepare(weight)` and `__call__(x, prepared, bias)`, for
-        dense weights). See core/layers/kernels.py. Empty: torch everywhere."""
-        return {}
+    def layer_kernels(self, config: "EngineConfig") -> LayerKernels:
+        """Kernels the core swaps into its layers after loading (core/layers/kernels.py); any left
+        None runs torch."""
+        return LayerKernels()
 
     def lora_kernels(self) -> Optional[Callable[..., None]]:
         """The batched LoRA op, `add_lora(y, x, lora_a, lora_b, mapping, output_sizes)` (core/lora/punica.py has
@@ -266,7 +352,7 @@ class Platform:
             "name": self.name, "api_version": self.api_version, "torch_device": self.torch_device,
             "priority": self.priority, "dispatch_key": self.dispatch_key,
             "attention_backends": self.attention_backends(),
-            "graph_capture": self.graph_capture_strategies(),
+            "decode_programs": self.decode_programs(),
             "distributed_backend": self.distributed_backend(),
             "quantization": self.quantization_methods(),
             "quantization_formats": self.native_quantization_formats(),
@@ -292,7 +378,7 @@ def blocks_from_budget(budget_bytes: int, bytes_per_block: int) -> int:
     return max(0, int(budget_bytes) // bytes_per_block)
 
 
-def choose_graph_capture(config: "EngineConfig", platform_name: str, offered: list[str], default: str) -> str:
+def choose_decode_program(config: "EngineConfig", platform_name: str, offered: list[str], default: str) -> str:
     """The strategy name to use: "none" under enforce_eager, else the requested one (ValueError if
     the platform does not offer it), else the platform's default."""
     if config.device.enforce_eager:

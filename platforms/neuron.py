@@ -12,9 +12,9 @@ import logging
 import os
 
 from . import _probe
-from .interface import Availability, GraphCapture, MemoryProfiler, blocks_from_budget
+from .interface import Availability, DecodeProgram, MemoryProfiler, blocks_from_budget
 from .memory import GiB, static_kv_blocks
-from .xla_common import XlaBucketedCapture, XlaPlatform, probe_xla_runtime, xla_mark_step
+from .xla_common import XlaBucketedProgram, XlaPlatform, probe_xla_runtime, xla_mark_step
 
 logger = logging.getLogger("tokenmill.platforms.neuron")
 
@@ -68,10 +68,10 @@ class NeuronPlatform(XlaPlatform):
     def memory_profiler(self) -> MemoryProfiler:
         return NeuronStaticMemoryProfiler()
 
-    def graph_capture(self, config) -> GraphCapture:
+    def decode_program(self, config) -> DecodeProgram:
         if config.device.graph_capture not in (None, "xla"):
             raise ValueError(f"graph_capture {config.device.graph_capture!r} is not offered by the neuron platform "
                              f"(offers ['xla'])")
-        return XlaBucketedCapture(min_bucket=128, precompile=not config.device.enforce_eager,
+        return XlaBucketedProgram(min_bucket=128, precompile=not config.device.enforce_eager,
                                   compile_fn=None, step_fn=xla_mark_step,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens or 2048)

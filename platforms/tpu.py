@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from . import _probe
-from .interface import Availability, GraphCapture, MemoryProfiler
+from .interface import Availability, DecodeProgram, MemoryProfiler
 from .memory import XlaMemoryProfiler
-from .xla_common import XlaBucketedCapture, XlaPlatform, openxla_compile, probe_xla_runtime, xla_mark_step
+from .xla_common import XlaBucketedProgram, XlaPlatform, openxla_compile, probe_xla_runtime, xla_mark_step
 
 TPU_DEVICE_NODES = ("/dev/accel[0-9]*", "/dev/vfio/[0-9]*")
 
@@ -56,13 +56,13 @@ class TpuPlatform(XlaPlatform):
     def memory_profiler(self) -> MemoryProfiler:
         return XlaMemoryProfiler(self.name)
 
-    def graph_capture(self, config) -> GraphCapture:
+    def decode_program(self, config) -> DecodeProgram:
         if config.device.graph_capture not in (None, "xla"):
             raise ValueError(f"graph_capture {config.device.graph_capture!r} is not offered by the tpu platform "
                              f"(offers ['xla']); XLA always compiles")
         eager = config.device.enforce_eager
         # --enforce-eager: no dynamo and no precompile, but still bucketed (lazy tensors compile per shape).
-        return XlaBucketedCapture(min_bucket=16, precompile=not eager,
+        return XlaBucketedProgram(min_bucket=16, precompile=not eager,
                                   compile_fn=None if eager else openxla_compile, step_fn=xla_mark_step,
                                   max_num_batched_tokens=config.scheduler.max_num_batched_tokens or 2048)
 

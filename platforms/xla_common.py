@@ -28,7 +28,7 @@ import torch
 from tokenmill.attention_backends.interface import AttentionMetadata
 
 from . import _probe
-from .interface import Availability, GraphCapture, Platform, resolve_dtype
+from .interface import Availability, DecodeProgram, ModelView, Platform, resolve_dtype
 
 logger = logging.getLogger("tokenmill.platforms.xla")
 
@@ -79,7 +79,7 @@ def pad_batch(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionM
 class XlaBucketedRunner:
     """Pads every batch to a bucket, runs the (compiled) forward, returns the real rows."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], runner: Any, buckets: list[int],
+    def __init__(self, forward: Callable[..., torch.Tensor], runner: ModelView, buckets: list[int],
                  compile_fn: Optional[Callable[[Callable], Callable]] = None,
                  step_fn: Optional[Callable[[], None]] = None) -> None:
         self.eager_forward = forward
@@ -89,7 +89,7 @@ class XlaBucketedRunner:
         self.block_size = int(runner.block_size)
         self.max_blocks_per_seq = int(runner.max_blocks_per_seq)
         self.device = torch.device(runner.device)
-        self.pad_slot_id = int(getattr(runner, "pad_slot_id", 0) or 0)
+        self.pad_slot_id = int(runner.pad_slot_id or 0)
         self._step = step_fn or (lambda: None)
         self.compiled_buckets: set[int] = set()
 
@@ -124,8 +124,8 @@ class XlaBucketedRunner:
         return self._run(bucket, input_ids, positions, attn_metadata)
 
 
-class XlaBucketedCapture(GraphCapture):
-    """Graph-capture strategy "xla": bucketed padded shapes, precompiled at start-up."""
+class XlaBucketedProgram(DecodeProgram):
+    """Decode program "xla": bucketed padded shapes, precompiled at start-up."""
     name = "xla"
 
     def __init__(self, min_bucket: int = 16, precompile: bool = True,
@@ -137,9 +137,9 @@ class XlaBucketedCapture(GraphCapture):
         self.step_fn = step_fn
         self.max_num_batched_tokens = max_num_batched_tokens
 
-    def wrap(self, forward, runner):
+    def build(self, forward: Callable[..., torch.Tensor], model: ModelView) -> Callable[..., torch.Tensor]:
         buckets = token_buckets(self.max_num_batched_tokens, self.min_bucket)
-        wrapped = XlaBucketedRunner(forward, runner, buckets, self.compile_fn, self.step_fn)
+        wrapped = XlaBucketedRunner(forward, model, buckets, self.compile_fn, self.step_fn)
         if self.precompile:
             wrapped.precompile()
         return wrapped
@@ -180,10 +180,10 @@ class XlaPlatform(Platform):
     """What every torch_xla-backed platform shares: one "xla" device, graph capture and collectives."""
     torch_device = "xla"
 
-    def graph_capture_strategies(self) -> list[str]:
+    def decode_programs(self) -> list[str]:
         return ["xla"]
 
-    def graph_capture_name(self, config) -> str:
+    def decode_program_name(self, config) -> str:
         return "xla"
 
     def distributed_backend(self) -> str:

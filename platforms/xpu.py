@@ -12,8 +12,8 @@ import logging
 import torch
 
 from . import _probe
-from .cpu import TorchCompileCapture
-from .interface import (Availability, GraphCapture, MemoryProfiler, Platform, choose_graph_capture,
+from .cpu import TorchCompileProgram
+from .interface import (Availability, DecodeProgram, MemoryProfiler, Platform, choose_decode_program,
                         resolve_dtype)
 from .memory import GiB, TorchDeviceMemoryProfiler
 
@@ -77,12 +77,12 @@ class XpuPlatform(Platform):
     def memory_profiler(self) -> MemoryProfiler:
         return TorchDeviceMemoryProfiler(self.name, _xpu_module, baseline_used=self._baseline_used)
 
-    def graph_capture_strategies(self) -> list[str]:
+    def decode_programs(self) -> list[str]:
         return ["none", "torch.compile"]
 
-    def graph_capture(self, config) -> GraphCapture:
-        choice = choose_graph_capture(config, self.name, self.graph_capture_strategies(), "none")
-        return TorchCompileCapture() if choice == "torch.compile" else GraphCapture()
+    def decode_program(self, config) -> DecodeProgram:
+        choice = choose_decode_program(config, self.name, self.decode_programs(), "none")
+        return TorchCompileProgram() if choice == "torch.compile" else DecodeProgram()
 
     def distributed_backend(self) -> str:
         try:

@@ -30,6 +30,7 @@ from torch import nn
 from .fp8 import FP8, fp8_linear, keep_fp8
 from .int4_groups import (Int4Groups, Int4GroupsMethod, add_bias, add_param, groups_from_values, per_shard_loader,
                           shard_loader, unpack_int32)
+from .interface import FormT
 from .int8 import int8_linear, keep_int8
 
 
@@ -181,5 +182,5 @@ class CompressedTensorsQuantization(Int4GroupsMethod):
             return fp8_linear(layer, x, bias, fp8_activations=self.activations is not None, input_scale=input_scale)
         return super().apply(layer, x, bias)
 
-    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-        return super().affine_groups(layer) if self.kind == "w4a16" else None
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        return super().weight_form(layer, form) if self.kind == "w4a16" else None

@@ -8,15 +8,15 @@ torch ops. Only torch ops otherwise (aten int4/int8 CPU kernels), no device API.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .interface import AffineGroups, FormT, Int8Channels, PlatformPacked, QuantKernels
 from .unquantized import UnquantizedLinearMethod
 
-Kernels = Mapping[str, Callable[..., Any]]
 
 
 class _Int4State(NamedTuple):
@@ -122,7 +122,7 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
         q8 = q.to(torch.uint8)
         nibbles = q8[:, 0::2] | (q8[:, 1::2] << 4)
         int8_weight, channel_scale = quantize_int8_per_channel(values)
-        pack = self.kernels.get("pack_s8")
+        pack = self.kernels.pack_s8
         batch = pack(int8_weight.t(), channel_scale) if pack is not None else None
         layer.int4_state = _Int4State(packed, scale_and_zero, None if batch is not None else int8_weight,
                                       channel_scale, nibbles, batch)
@@ -133,36 +133,31 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
             return F.linear(x, layer.weight, bias)
         if x.shape[0] >= self.small_batch_rows:
             if state.batch is not None:
-                return self.kernels["matmul_s8"](x, state.batch, bias)
+                return self.kernels.matmul_s8(x, state.batch, bias)
             return int8_matmul_per_token(x, state.int8_weight, state.channel_scale, layer.weight,
                                          self.outlier_channels, bias, self.kernels)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), state.packed, self.group_size,
                                                        state.scale_and_zero).to(x.dtype)
         return y + bias if bias is not None else y
 
-    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-        """The 4-bit grid `apply` uses: q from the kept nibbles, scale and low from torch's bf16
-        scale / zero point (zero = low + 8 * scale)."""
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        """AffineGroups: the 4-bit grid `apply` uses (q from the kept nibbles, scale and low from
+        torch's bf16 scale / zero point, zero = low + 8 * scale). Int8Channels: the int8 weights
+        batches multiply by (when not packed by the platform). PlatformPacked: the platform's
+        pack_s8 parts batches multiply by. None for a layer kept dense."""
         state: Optional[_Int4State] = getattr(layer, "int4_state", None)
         if state is None:
             return None
-        scale = state.scale_and_zero[..., 0].float().t().contiguous()         # [N, K/G]
-        low = (state.scale_and_zero[..., 1].float().t() - 8 * scale).contiguous()
-        q = torch.stack((state.nibbles & 0x0F, state.nibbles >> 4), dim=-1).reshape(state.nibbles.shape[0], -1)
-        return q, scale, low, self.group_size
-
-    def int8_channels(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The weights `apply` multiplies batches by: int8 [N, K] (a view) and float32 scales [N]
-        (w = scale[n] * q[n, k]); None for a layer kept dense."""
-        state: Optional[_Int4State] = getattr(layer, "int4_state", None)
-        if state is None or state.int8_weight is None:
-            return None
-        return state.int8_weight.t(), state.channel_scale
-
-    def batch_weight(self, layer: nn.Module) -> Any:
-        """The platform's packed int8 weights batches multiply by ("pack_s8"), or None."""
-        state: Optional[_Int4State] = getattr(layer, "int4_state", None)
-        return None if state is None else state.batch
+        if form is AffineGroups:
+            scale = state.scale_and_zero[..., 0].float().t().contiguous()         # [N, K/G]
+            low = (state.scale_and_zero[..., 1].float().t() - 8 * scale).contiguous()
+            q = torch.stack((state.nibbles & 0x0F, state.nibbles >> 4), dim=-1).reshape(state.nibbles.shape[0], -1)
+            return AffineGroups(q, scale, low, self.group_size)
+        if form is Int8Channels and state.int8_weight is not None:
+            return Int8Channels(state.int8_weight.t(), state.channel_scale)
+        if form is PlatformPacked and state.batch is not None:
+            return PlatformPacked(state.batch)
+        return None
 
     def lm_head_method(self) -> "Int8HeadMethod":
         head = Int8HeadMethod(self.outlier_channels)
@@ -187,7 +182,7 @@ class Int8HeadMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach().float()
         int8_weight, channel_scale = quantize_int8_per_channel(weight)
-        pack = self.kernels.get("pack_s8")
+        pack = self.kernels.pack_s8
         batch = pack(int8_weight.t(), channel_scale) if pack is not None else None
         if batch is not None:         # the native matmul needs neither the int8 [K, N] nor a float copy
             layer.int8_head_state = _Int8HeadState(None, None, None, batch)
@@ -201,7 +196,7 @@ class Int8HeadMethod(UnquantizedLinearMethod):
             return F.linear(x, layer.weight, bias)
         state: _Int8HeadState = layer.int8_head_state
         if state.batch is not None:
-            return self.kernels["matmul_s8"](x, state.batch, bias)
+            return self.kernels.matmul_s8(x, state.batch, bias)
         return int8_matmul_per_token(x, state.int8_weight, state.channel_scale, state.by_channel,
                                      self.outlier_channels, bias, self.kernels)
 
@@ -215,7 +210,7 @@ def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def int8_matmul_per_token(x: torch.Tensor, int8_weight: torch.Tensor, channel_scale: torch.Tensor,
                           weight: Optional[torch.Tensor] = None, outlier_channels: int = 0,
-                          bias: Optional[torch.Tensor] = None, kernels: Optional[Kernels] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None, kernels: Optional[QuantKernels] = None) -> torch.Tensor:
     """x [M, K] float32 quantized to int8 with one scale per row, times int8 [K, N] with one
     scale per column, accumulated in int32 -> float32 [M, N] (+ bias).
 
@@ -226,13 +221,13 @@ def int8_matmul_per_token(x: torch.Tensor, int8_weight: torch.Tensor, channel_sc
     float32 (the LLM.int8() decomposition, with a fixed count per call). Measured perplexity on
     SmolLM2-135M: fp32 66.34, per-token int8 alone 69.49, with 16 outlier channels 66.87.
 
-    The quantize and dequantize ends run as one native pass each when `kernels` holds
-    "quantize_rows_int8" and "dequantize_int32" (the cpu platform's; the outlier product then
+    The quantize and dequantize ends run as one native pass each when `kernels` has
+    quantize_rows_int8 and dequantize_int32 (the cpu platform's; the outlier product then
     happens inside the dequantize pass), else as torch ops with the same numerics."""
     if weight is None:
         outlier_channels = 0
-    kernels = kernels or {}
-    quantize_rows, dequantize = kernels.get("quantize_rows_int8"), kernels.get("dequantize_int32")
+    kernels = kernels or QuantKernels()
+    quantize_rows, dequantize = kernels.quantize_rows_int8, kernels.dequantize_int32
     if quantize_rows is not None and dequantize is not None:
         q, token_scale, channels, values = quantize_rows(x, outlier_channels)
         outliers = (values, weight.t().index_select(0, channels)) if channels.numel() else None

@@ -30,7 +30,7 @@ from torch import nn
 
 from . import gguf_blocks
 from .gguf import GGUFTensor, check_supported
-from .interface import QuantizationMethod
+from .interface import FormT, PlatformPacked, QuantizationMethod
 
 TILE_ELEMENTS = 1 << 20      # a dequantized tile: at most this many floats (4 MiB) at a time
 
@@ -115,20 +115,20 @@ class GGUFLinearMethod(QuantizationMethod):
                                 for t in tensors])
             return StoredPart(qtype, n, k, (values.to(gguf_blocks.FLOAT_DTYPES[qtype]),))
         rows = torch.cat([gguf_blocks.as_rows(t.data, t.shape[0]) for t in tensors])
-        fits = self.kernels.get("fits")
-        if fits is not None and fits(n, k):
+        kernels = self.kernels
+        if kernels.fits is not None and kernels.fits(n, k):
             # K-quants at the file's size when the platform has their kernels (k is whole 256-blocks).
-            if qtype == gguf_blocks.QType.Q4_K and "pack_q4k" in self.kernels:
-                packed = self.kernels["pack_q4k"](*gguf_blocks.q4k_fields(rows))
+            if qtype == gguf_blocks.QType.Q4_K and kernels.pack_q4k is not None:
+                packed = kernels.pack_q4k(*gguf_blocks.q4k_fields(rows))
                 return StoredPart(qtype, n, k, packed.tensors, packed)
-            if qtype == gguf_blocks.QType.Q6_K and "pack_q6k" in self.kernels:
-                packed = self.kernels["pack_q6k"](*gguf_blocks.q6k_fields(rows))
+            if qtype == gguf_blocks.QType.Q6_K and kernels.pack_q6k is not None:
+                packed = kernels.pack_q6k(*gguf_blocks.q6k_fields(rows))
                 return StoredPart(qtype, n, k, packed.tensors, packed)
-            if qtype in gguf_blocks.AFFINE4 and "pack_affine4" in self.kernels:
-                packed = self.kernels["pack_affine4"](*gguf_blocks.affine4_groups(qtype, rows))
+            if qtype in gguf_blocks.AFFINE4 and kernels.pack_affine4 is not None:
+                packed = kernels.pack_affine4(*gguf_blocks.affine4_groups(qtype, rows))
                 return StoredPart(qtype, n, k, packed.tensors, packed)
-            if qtype in gguf_blocks.INT8 and "pack_int8_groups" in self.kernels:
-                packed = self.kernels["pack_int8_groups"](*gguf_blocks.int8_groups(qtype, rows))
+            if qtype in gguf_blocks.INT8 and kernels.pack_int8_groups is not None:
+                packed = kernels.pack_int8_groups(*gguf_blocks.int8_groups(qtype, rows))
                 return StoredPart(qtype, n, k, packed.tensors, packed)
         return StoredPart(qtype, n, k, (rows,))
 
@@ -143,7 +143,7 @@ class GGUFLinearMethod(QuantizationMethod):
 
     def _part_matmul(self, part: StoredPart, x: torch.Tensor) -> torch.Tensor:
         if part.native:
-            return self.kernels["matmul"](part.packed, x).to(x.dtype)
+            return self.kernels.matmul(part.packed, x).to(x.dtype)
         if part.qtype in gguf_blocks.FLOAT:
             return F.linear(x, part.tensors[0].to(x.dtype))
         rows = part.tensors[0]
@@ -164,7 +164,7 @@ class GGUFLinearMethod(QuantizationMethod):
             if mask.any():
                 local = flat[mask] - start
                 if part.native:
-                    values = self.kernels["dequantize_rows"](part.packed, local)
+                    values = self.kernels.dequantize_rows(part.packed, local)
                 elif part.qtype in gguf_blocks.FLOAT:
                     values = part.tensors[0].index_select(0, local)
                 else:
@@ -175,15 +175,15 @@ class GGUFLinearMethod(QuantizationMethod):
             start += part.n
         return out.reshape(*ids.shape, -1)
 
-    def native_linear(self, layer: nn.Module) -> Any:
-        """The platform's packed form of the whole weight (what its "pack_*" kernel returned; it
-        stays alive as the layer's buffers) when the layer is one natively packed part, for a
-        platform step that multiplies through the same kernels (the cpu platform's fused decode);
-        None for tiled, float or mixed-format layers, which only `apply` runs."""
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        """PlatformPacked: the platform's packed form of the whole weight (what its pack_* kernel
+        returned; it stays alive as the layer's buffers) when the layer is one natively packed part,
+        for a platform step that multiplies through the same kernels (the cpu platform's fused
+        decode); None for tiled, float or mixed-format layers, which only `apply` runs."""
         parts = getattr(layer, "gguf_parts", None)
-        if not parts or len(parts) != 1 or not parts[0].native:
+        if form is not PlatformPacked or not parts or len(parts) != 1 or not parts[0].native:
             return None
-        return parts[0].packed
+        return PlatformPacked(parts[0].packed)
 
     def lm_head_method(self) -> Optional[QuantizationMethod]:
         return self      # the loader keeps the head (or the tied embedding) stored: see keep_stored

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import QuantizationMethod
+from .interface import AffineGroups, FormT, QuantizationMethod
 
 # Output rows dequantized per step of `apply`: 2048 x K floats (32 MB at K=4096) at a time.
 TILE_ROWS = 2048
@@ -190,17 +190,18 @@ class Int4GroupsMethod(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return int4_groups_linear(layer_groups(layer), x, bias)
 
-    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        """AffineGroups: the stored 4-bit grid (in groups of 32 where the group size allows)."""
         groups = layer_groups(layer)
-        if groups is None or groups.perm is not None:
+        if form is not AffineGroups or groups is None or groups.perm is not None:
             return None          # act-order: its inputs are permuted, which a plain grid cannot say
         q = torch.stack((groups.nibbles & 0xF, groups.nibbles >> 4), dim=-1).reshape(groups.nibbles.shape[0], -1)
         scale = groups.scales.float()
         low = -scale * groups.zeros.float()
         if groups.group_size % 32 == 0:     # the same grid in groups of 32 (GGUF Q4_1's, the kernels')
             repeat = groups.group_size // 32
-            return q, scale.repeat_interleave(repeat, dim=1), low.repeat_interleave(repeat, dim=1), 32
-        return q, scale, low, groups.group_size
+            return AffineGroups(q, scale.repeat_interleave(repeat, dim=1), low.repeat_interleave(repeat, dim=1), 32)
+        return AffineGroups(q, scale, low, groups.group_size)
 
     def lm_head_method(self) -> Optional[QuantizationMethod]:
         return None              # these formats leave the LM head in float

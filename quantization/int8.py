@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cpu_int4 import int8_matmul_per_token, quantize_int8_per_channel
+from .interface import FormT, Int8Channels, QuantKernels
 from .unquantized import UnquantizedLinearMethod
 
 TILE_ROWS = 2048
@@ -33,7 +34,7 @@ def keep_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def int8_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor], dynamic_activations: bool = True,
-                input_scale: Optional[torch.Tensor] = None, kernels: Optional[dict] = None) -> torch.Tensor:
+                input_scale: Optional[torch.Tensor] = None, kernels: Optional[QuantKernels] = None) -> torch.Tensor:
     """x [..., K] times the layer's int8 weight. `dynamic_activations`: int8 per-token activations;
     `input_scale`: one static activation scale; neither: the weight dequantized to x's dtype."""
     q, scale = layer.int8_weight, layer.int8_scale
@@ -71,8 +72,8 @@ class Int8Quantization(UnquantizedLinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return int8_linear(layer, x, bias, kernels=self.kernels)
 
-    def int8_channels(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """int8 [N, K] and float32 scales [N] (w = scale[n] * q[n, k]): what a platform's fused
-        step multiplies by (the cpu platform's S8)."""
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        """Int8Channels: int8 [N, K] and float32 scales [N] (w = scale[n] * q[n, k]), what a
+        platform's fused step multiplies by (the cpu platform's S8)."""
         q = getattr(layer, "int8_weight", None)
-        return None if q is None else (q, layer.int8_scale)
+        return Int8Channels(q, layer.int8_scale) if form is Int8Channels and q is not None else None

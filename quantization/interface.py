@@ -5,8 +5,10 @@ A leaf module: it imports nothing else of tokenmill's, so a plugin can implement
 without pulling in the engine. Methods are found by name through the entry-point group
 `tokenmill.quantization_methods` (plugins/discovery.py); a platform lists the names it can run
 (`Platform.quantization_methods()`) and may hand a method native kernels
-(`Platform.quantization_kernels(name)` -> `use_kernels`). Bump QUANTIZATION_API_VERSION on any
-incompatible change.
+(`Platform.quantization_kernels(name)` -> `use_kernels`, a typed `QuantKernels`). What a method
+keeps is offered to a platform's other programs (a fused decode step) as declared weight forms
+(`weight_form(layer, AffineGroups | Int8Channels | PlatformPacked)`), never by probing attributes.
+Bump QUANTIZATION_API_VERSION on any incompatible change.
 
 The layer contract (core/layers/linear.py keeps it): a linear layer offers `weight_loader(param,
 loaded, shard_id=None)`, which copies one checkpoint tensor (or the output shard `shard_id` of a
@@ -15,12 +17,84 @@ to every parameter that keeps the checkpoint's layout.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
 
-QUANTIZATION_API_VERSION = 1
+QUANTIZATION_API_VERSION = 2
+
+Kernel = Optional[Callable[..., Any]]
+
+
+@dataclass(frozen=True)
+class QuantKernels:
+    """The native kernels a platform may hand a quantization method. Every one is optional: a method
+    runs its torch path for any that is None, so a plugin platform supplies what it has."""
+    # Per-token int8 GEMMs (int4's batches, int8, compressed-tensors W8A8): x -> (int8 rows, scales),
+    # and the int32 product -> float with both scales.
+    quantize_rows_int8: Kernel = None
+    dequantize_int32: Kernel = None
+    # int8 per-channel weights in the platform's packed form (q [N, K], scale [N]) -> PlatformPacked
+    # parts or None, and x times those parts (+ bias).
+    pack_s8: Kernel = None
+    matmul_s8: Kernel = None
+    # GGUF blocks kept as stored: whether a (type, rows, k) fits the platform's blocks, the packers
+    # per block family (-> the platform's parts), and the matmul / row lookup over those parts.
+    fits: Kernel = None
+    pack_affine4: Kernel = None
+    pack_int8_groups: Kernel = None
+    pack_q4k: Kernel = None
+    pack_q6k: Kernel = None
+    matmul: Kernel = None
+    dequantize_rows: Kernel = None
+
+    @classmethod
+    def of(cls, kernels: Union["QuantKernels", Mapping[str, Callable[..., Any]], None]) -> "QuantKernels":
+        """From a mapping by kernel name (unknown names are a ValueError, so a misspelt one cannot
+        silently leave the torch path on)."""
+        if isinstance(kernels, cls):
+            return kernels
+        given = dict(kernels or {})
+        unknown = sorted(set(given) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown quantization kernels {unknown}; known: {sorted(f.name for f in fields(cls))}")
+        return cls(**given)
+
+    def offered(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def __bool__(self) -> bool:      # "were any kernels given"
+        return bool(self.offered())
+
+
+@dataclass(frozen=True)
+class AffineGroups:
+    """A weight [N, K] as w = scale * q + low in groups of `group_size` inputs: q uint8 [N, K] in
+    0..15, scale and low float32 [N, K / group_size] (the 4-bit grids: int4, GPTQ, AWQ, W4A16)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+    group_size: int
+
+
+@dataclass(frozen=True)
+class Int8Channels:
+    """A weight [N, K] as w = scale[n] * q[n, k]: q int8 [N, K], scale float32 [N]."""
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlatformPacked:
+    """A weight the method keeps in a platform kernel's own packed form (what the platform's pack_*
+    kernel returned): the platform's other programs read `parts` in place instead of packing again."""
+    parts: Any
+
+
+WeightForm = Union[AffineGroups, Int8Channels, PlatformPacked]
+FormT = TypeVar("FormT", AffineGroups, Int8Channels, PlatformPacked)
 
 
 class QuantizationMethod:
@@ -30,7 +104,7 @@ class QuantizationMethod:
     api_version: ClassVar[int] = QUANTIZATION_API_VERSION
 
     def __init__(self) -> None:
-        self.kernels: dict[str, Callable[..., Any]] = {}
+        self.kernels = QuantKernels()
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> "QuantizationMethod":
@@ -44,10 +118,9 @@ class QuantizationMethod:
         """None when this torch build can run the method, else why not."""
         return None
 
-    def use_kernels(self, kernels: Mapping[str, Callable[..., Any]]) -> None:
-        """Native kernels the platform hands over (names are the method's own); a method runs
-        its torch path for any it is not given."""
-        self.kernels = dict(kernels)
+    def use_kernels(self, kernels: Union[QuantKernels, Mapping[str, Callable[..., Any]]]) -> None:
+        """Native kernels the platform hands over; a method runs its torch path for any it is not given."""
+        self.kernels = QuantKernels.of(kernels)
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: Sequence[int], bias: bool,
                        dtype: Optional[torch.dtype]) -> None:
@@ -62,11 +135,10 @@ class QuantizationMethod:
         """x [..., input_size] -> [..., output_size] (+ bias)."""
         raise NotImplementedError
 
-    def affine_groups(self, layer: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
-        """For a platform kernel that multiplies from the method's own grid (a fused decode
-        step): the layer's weight [N, K] as (q uint8 [N, K], scale float32 [N, K/G], low float32
-        [N, K/G], G) with w = scale * q + low in groups of G inputs. None (the default): the
-        method has no such form, or this layer is not stored in it."""
+    def weight_form(self, layer: nn.Module, form: type[FormT]) -> Optional[FormT]:
+        """The layer's weight in `form` as this method keeps it (no copy where it can be helped), for
+        a platform program that multiplies from it (a fused decode step); None (the default): the
+        method keeps no such form, or this layer is not stored in it."""
         return None
 
     def lm_head_method(self) -> Optional["QuantizationMethod"]:

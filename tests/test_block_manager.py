@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.config import SchedulerConfig
-from tokenmill.core.model_runner import ForwardResult
+from tokenmill.core.step import StepOutput
 from tokenmill.core.sampling.sampler import SamplerOutput
 from tokenmill.core.sampling_params import SamplingParams
 from tokenmill.core.scheduler import Scheduler
@@ -18,8 +18,8 @@ def make_seq(tokens, rid="r", arrival=0.0, priority=0, max_tokens=1000):
 
 def fake_forward(batch):
     """What the model runner reports for a batch: every caught-up sequence gets a token (5)."""
-    sampled = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
-    return (ForwardResult(logits=None, sampled_seqs=sampled),
+    sampled = [i for i, (seq, n) in enumerate(batch.entries) if seq.num_computed_tokens + n == seq.num_tokens]
+    return (StepOutput(logits=None, sampled=sampled),
             SamplerOutput(token_ids=[5] * len(sampled), sampled_logprobs=[None] * len(sampled),
                           top_logprobs=[None] * len(sampled)))
 

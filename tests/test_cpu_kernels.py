@@ -271,7 +271,7 @@ def test_int8_quantize_and_dequantize_match_torch():
     assert {17, 300} <= set(channels.tolist())
     assert torch.equal(values, x[:, channels])
     kernels = CpuPlatform().quantization_kernels("int4")     # what the platform hands the int4 method
-    assert {"quantize_rows_int8", "dequantize_int32"} <= set(kernels) <= {
+    assert {"quantize_rows_int8", "dequantize_int32"} <= set(kernels.offered()) <= {
         "quantize_rows_int8", "dequantize_int32", "pack_s8", "matmul_s8"}
     native = cpu_int4.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias, kernels)
     plain = cpu_int4.int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, bias)
@@ -279,16 +279,16 @@ def test_int8_quantize_and_dequantize_match_torch():
     exact = x @ weight.t() + bias
     # int8 error stays small next to the output's scale, thanks to the outlier channels.
     assert (native - exact).abs().max() < 0.01 * exact.abs().max()
-    if "pack_s8" in kernels:
+    if kernels.pack_s8 is not None:
         # The batched path the int4 method takes with them: activations per 32 inputs, the same
         # int8 weights, no outlier channels: the two groups holding the 60x / 25x channels lose
         # their small values (measured 1.4 % of the output's scale here, 0.5 % for the weights'
         # own rounding), every other group keeps its own scale.
-        s8 = kernels["matmul_s8"](x, kernels["pack_s8"](int8_weight.t(), channel_scale), bias)
+        s8 = kernels.matmul_s8(x, kernels.pack_s8(int8_weight.t(), channel_scale), bias)
         assert (s8 - exact).abs().max() < 0.02 * exact.abs().max()
         x[:, 17] /= 60
         x[:, 300] /= 25
-        s8 = kernels["matmul_s8"](x, kernels["pack_s8"](int8_weight.t(), channel_scale), bias)
+        s8 = kernels.matmul_s8(x, kernels.pack_s8(int8_weight.t(), channel_scale), bias)
         exact = x @ weight.t() + bias
         assert (s8 - exact).abs().max() < 0.015 * exact.abs().max()      # measured 1.1 %
 
@@ -347,7 +347,7 @@ def test_kernels_off_by_environment(monkeypatch):
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     config = EngineConfig.from_kwargs(quantization="int4", dtype="float32")
     platform = CpuPlatform()
-    assert platform.layer_kernels(config) == {} and platform.quantization_kernels("int4") == {}
+    assert platform.layer_kernels(config).offered() == {} and platform.quantization_kernels("int4").offered() == []
     assert cpu_kernels.available() and cpu_paged_decode.available()
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
-    assert set(platform.layer_kernels(config)) == {"rms_norm", "rotary", "silu_and_mul", "lm_head"}
+    assert set(platform.layer_kernels(config).offered()) == {"rms_norm", "rotary", "silu_and_mul", "lm_head"}

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf_writers import tiny_llama_tensors, write_gguf
 from model_helpers import tiny_tokenizer
 
+from tokenmill.quantization.interface import PlatformPacked
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.loaders.resident import resident_weight_bytes
 from tokenmill.platforms import cpu_decode_kernels as native
@@ -117,7 +118,7 @@ def test_the_step_reads_the_methods_packed_weights_in_place(tmp_path):
     runner = _llm(path, tok).engine.runner
     step = runner.forward.fused_step
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    packed = qkv.quant_method.native_linear(qkv)
+    packed = qkv.quant_method.weight_form(qkv, PlatformPacked).parts
     assert step._layers[0].qkv.weight == packed.linear.weight == packed.tensors[0].data_ptr()
     assert step._embed is runner.model.model.embed_tokens           # rows by the model's own lookup
     assert _extra_bytes(runner.model, step) == 0                      # weights, norms, rope table: the model's

@@ -8,6 +8,8 @@ allow it): greedy tokens kept-quantized == dequantized-float of the same file.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import numpy as np
@@ -226,7 +228,7 @@ class _NoKQuantKernelsPlatform(CpuPlatform):
     name = "cpu-without-k-quant-kinds"
 
     def quantization_kernels(self, name):
-        return {k: v for k, v in super().quantization_kernels(name).items() if k not in ("pack_q4k", "pack_q6k")}
+        return dataclasses.replace(super().quantization_kernels(name), pack_q4k=None, pack_q6k=None)
 
 
 def _mixed_k_quant_files(tmp_path):

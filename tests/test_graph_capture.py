@@ -10,33 +10,33 @@ import torch
 from tokenmill.attention_backends.interface import AttentionMetadata
 from tokenmill.core.config import EngineConfig
 from tokenmill.platforms.cuda import CudaPlatform
-from tokenmill.platforms.cuda_graphs import (CudaGraphCapture, CudaGraphRunner, cuda_graph_capture_sizes,
+from tokenmill.platforms.cuda_graphs import (CudaGraphProgram, CudaGraphRunner, cuda_graph_capture_sizes,
                                              padded_batch_size)
-from tokenmill.platforms.interface import GraphCapture, choose_graph_capture
+from tokenmill.platforms.interface import DecodeProgram, choose_decode_program
 from tokenmill.platforms.tpu import TpuPlatform
 from tokenmill.platforms.xla_common import XlaBucketedRunner, bucket_for, pad_batch, token_buckets
 
 
 # ------------------------------------------------------------------- graph capture choice
 
-def test_choose_graph_capture():
+def test_choose_decode_program():
     config = EngineConfig()
-    assert choose_graph_capture(config, "x", ["cuda_graphs", "none"], "cuda_graphs") == "cuda_graphs"
+    assert choose_decode_program(config, "x", ["cuda_graphs", "none"], "cuda_graphs") == "cuda_graphs"
     config.device.enforce_eager = True
-    assert choose_graph_capture(config, "x", ["cuda_graphs", "none"], "cuda_graphs") == "none"
+    assert choose_decode_program(config, "x", ["cuda_graphs", "none"], "cuda_graphs") == "none"
     config = EngineConfig.from_kwargs(graph_capture="xla")
     with pytest.raises(ValueError, match="not offered by the x platform"):
-        choose_graph_capture(config, "x", ["cuda_graphs", "none"], "cuda_graphs")
+        choose_decode_program(config, "x", ["cuda_graphs", "none"], "cuda_graphs")
 
 
 def test_cuda_graph_capture_strategy_selection():
     platform = CudaPlatform()
-    assert platform.graph_capture(EngineConfig()).name == "cuda_graphs"
-    assert platform.graph_capture(EngineConfig.from_kwargs(enforce_eager=True)).name == "none"
-    assert platform.graph_capture_name(EngineConfig.from_kwargs(graph_capture="torch.compile")) == "torch.compile"
-    assert TpuPlatform().graph_capture(EngineConfig.from_kwargs(enforce_eager=True)).name == "xla"
+    assert platform.decode_program(EngineConfig()).name == "cuda_graphs"
+    assert platform.decode_program(EngineConfig.from_kwargs(enforce_eager=True)).name == "none"
+    assert platform.decode_program_name(EngineConfig.from_kwargs(graph_capture="torch.compile")) == "torch.compile"
+    assert TpuPlatform().decode_program(EngineConfig.from_kwargs(enforce_eager=True)).name == "xla"
     with pytest.raises(ValueError):
-        TpuPlatform().graph_capture(EngineConfig.from_kwargs(graph_capture="cuda_graphs"))
+        TpuPlatform().decode_program(EngineConfig.from_kwargs(graph_capture="cuda_graphs"))
 
 
 def test_capture_sizes():
@@ -120,6 +120,7 @@ def make_forward(mod: FakeGraphModule, kv: torch.Tensor, log: list):
 class FakeRunner:
     def __init__(self, **kw):
         self.max_num_seqs, self.block_size, self.max_blocks_per_seq, self.device = 8, 4, 4, "cpu"
+        self.pad_slot_id, self.attention_backend = None, None
         self.__dict__.update(kw)
 
 
@@ -146,7 +147,7 @@ def test_cuda_graph_runner_pads_and_replays(pad_slot_id):
     kv_eager = kv_graph.clone()
     log: list = []
     runner = FakeRunner(pad_slot_id=pad_slot_id)
-    wrapped = CudaGraphCapture(lambda: mod).wrap(make_forward(mod, kv_graph, log), runner)
+    wrapped = CudaGraphProgram(lambda: mod).build(make_forward(mod, kv_graph, log), runner)
     eager = make_forward(FakeGraphModule(), kv_eager, [])
     assert isinstance(wrapped, CudaGraphRunner) and wrapped.sizes == [1, 2, 4, 8]
 
@@ -173,7 +174,7 @@ def test_cuda_graph_runner_runs_prefill_eagerly():
     mod = FakeGraphModule()
     kv = torch.zeros(48)
     log: list = []
-    wrapped = CudaGraphCapture(lambda: mod).wrap(make_forward(mod, kv, log), FakeRunner())
+    wrapped = CudaGraphProgram(lambda: mod).build(make_forward(mod, kv, log), FakeRunner())
     ids, pos, meta = decode_meta([(3, [1])], 4, 1)
     prefill = AttentionMetadata(
         query_start_loc=torch.tensor([0, 3], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
@@ -192,8 +193,8 @@ def test_cuda_graph_capture_skipped_for_backend_without_graphs():
         supported_graph_modes = ("none",)
 
     forward = lambda *a: None  # noqa: E731
-    assert CudaGraphCapture(lambda: FakeGraphModule()).wrap(forward, FakeRunner(backend_cls=NoGraphs)) is forward
-    assert GraphCapture().wrap(forward, None) is forward
+    assert CudaGraphProgram(lambda: FakeGraphModule()).build(forward, FakeRunner(attention_backend=NoGraphs)) is forward
+    assert DecodeProgram().build(forward, None) is forward
 
 
 # -------------------------------------------------------------------------- XLA bucketing

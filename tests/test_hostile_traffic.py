@@ -406,11 +406,11 @@ def _seq(rid: str, index: int, group: str, max_tokens: int, arrival: float, prio
 
 
 def _step(sched):
-    from tokenmill.core.model_runner import ForwardResult
+    from tokenmill.core.step import StepOutput
     from tokenmill.core.sampling.sampler import SamplerOutput
     batch = sched.schedule()
-    sampled = [seq for seq, n in batch.entries if seq.num_computed_tokens + n == seq.num_tokens]
-    sched.update_from_output(batch, ForwardResult(logits=None, sampled_seqs=sampled),
+    sampled = [i for i, (seq, n) in enumerate(batch.entries) if seq.num_computed_tokens + n == seq.num_tokens]
+    sched.update_from_output(batch, StepOutput(logits=None, sampled=sampled),
                              SamplerOutput(token_ids=[5] * len(sampled), sampled_logprobs=[None] * len(sampled),
                                            top_logprobs=[None] * len(sampled)))
     return batch

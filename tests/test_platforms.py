@@ -65,7 +65,7 @@ def test_interface_basics(cls):
     assert cls.api_version == PLATFORM_API_VERSION
     platform = cls()            # constructing must not touch the device
     desc = platform.describe()  # nor describing it
-    assert desc["name"] == cls.name and desc["attention_backends"] and desc["graph_capture"]
+    assert desc["name"] == cls.name and desc["attention_backends"] and desc["decode_programs"]
     assert desc["distributed_backend"] in {"gloo", "nccl", "xccl", "ccl", "xla"}
     assert isinstance(cls.probe(), Availability)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill.attention_backends.interface import AttentionBackend, AttentionConfig
-from tokenmill.platforms.interface import Availability, Platform
+from tokenmill.platforms.interface import PLATFORM_API_VERSION, Availability, Platform
 from tokenmill.plugins import discovery, registry
 from tokenmill.plugins.kinds import KINDS
 
@@ -44,7 +44,7 @@ def test_builtins_come_through_their_entry_point_groups():
     for name, target in BUILTIN_PLATFORMS.items():
         r = reports[name]
         assert r.origin == "built-in" and r.entry_point == target
-        assert r.api_version == 1 and r.load_error is None
+        assert r.api_version == PLATFORM_API_VERSION and r.load_error is None
         assert r.description["attention_backends"] and r.description["distributed_backend"]
     declared = {(ep.group, ep.name) for ep in importlib.metadata.distribution("tokenmill").entry_points}
     assert {("tokenmill.platforms", n) for n in BUILTIN_PLATFORMS} <= declared
@@ -236,7 +236,7 @@ def test_third_party_package_every_kind(test_plugins):
     assert test.description["attention_backends"] == ["testcpu_paged"]
     old = reports["testcpu_oldapi"]
     assert old.api_version == 999 and not old.available
-    assert old.load_error == "built for platform API version 999; this tokenmill speaks version 1"
+    assert old.load_error == f"built for platform API version 999; this tokenmill speaks version {PLATFORM_API_VERSION}"
     assert "No module named 'tokenmill_testplatform_vendor_sdk'" in reports["testcpu_broken"].load_error
     with pytest.raises(ValueError, match="API version 999"):
         discovery.resolve_platform("testcpu_oldapi")
@@ -286,9 +286,9 @@ def test_platforms_command_json(test_plugins, capsys):
     names = {p["name"]: p for p in data["platforms"]}
     assert set(BUILTIN_PLATFORMS) | {"testcpu", "testcpu_oldapi"} <= set(names)
     cuda = names["cuda"]
-    assert cuda["origin"] == "built-in" and cuda["api_version"] == 1
+    assert cuda["origin"] == "built-in" and cuda["api_version"] == PLATFORM_API_VERSION
     assert [b["name"] for b in cuda["attention_backends"]] == ["flash_attn", "flashinfer", "triton_paged", "reference"]
-    assert cuda["graph_capture"][0] == "cuda_graphs" and cuda["distributed_backend"] == "nccl"
+    assert cuda["decode_programs"][0] == "cuda_graphs" and cuda["distributed_backend"] == "nccl"
     assert names["testcpu_oldapi"]["load_error"] and data["auto"] == discovery.resolve_platform("auto").name
 
 

@@ -21,6 +21,7 @@ import torch
 
 from model_helpers import hf_last_logits, load_for_test, run_prompt
 from quant_format_writers import LINEARS, awq_tensors, ct_writer, gptq_tensors, shared_input, write_checkpoint
+from tokenmill.quantization.interface import AffineGroups
 from tokenmill.core.layers.linear import Linear
 from tokenmill.platforms.cpu import CpuPlatform
 
@@ -123,13 +124,14 @@ def test_awq_modules_to_not_convert_stay_in_float(tmp_path):
 
 
 def test_affine_groups_restate_the_4bit_grid_in_groups_of_32(tmp_path):
-    """What a platform's 4-bit kernel reads (QuantizationMethod.affine_groups): w = scale * q + low
+    """What a platform's 4-bit kernel reads (QuantizationMethod.weight_form(layer, AffineGroups)): w = scale * q + low
     in groups of 32, the same weights as the layer multiplies by."""
     from tokenmill.quantization.int4_groups import dequantize, layer_groups
     config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
     write_checkpoint(str(tmp_path), lambda name, w: awq_tensors(w.numpy(), 128), config)
     layer = _load(tmp_path).model.model.layers[1].mlp.gate_up_proj
-    q, scale, low, group = layer.quant_method.affine_groups(layer)
+    form = layer.quant_method.weight_form(layer, AffineGroups)
+    q, scale, low, group = form.q, form.scale, form.low, form.group_size
     assert group == 32 and q.shape == (512, 128)
     w = (q.float().reshape(512, 4, 32) * scale[..., None] + low[..., None]).reshape(512, 128)
     torch.testing.assert_close(w, dequantize(layer_groups(layer)), rtol=0, atol=1e-6)

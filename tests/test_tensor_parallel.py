@@ -9,7 +9,7 @@ import pytest
 from model_helpers import save_tiny_checkpoint, tiny_config
 from tokenmill.core.distributed import check_parallel_sizes, stage_layers
 from tokenmill.core.sampling_params import SamplingParams
-from tokenmill.core.step_inputs import EntryInput, StepInputs
+from tokenmill.core.step import EntryInput, StepInputs
 from tokenmill.entrypoints.llm import LLM
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [100, 200, 300, 400, 500, 600, 700, 800, 900, 17, 18, 19, 20, 21, 22,

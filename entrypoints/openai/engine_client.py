@@ -30,6 +30,7 @@ import time
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 from ...core.engine_process import DEFAULT_ENGINE_FACTORY, EngineInfo, engine_main
+from ...core.errors import EngineDeadError
 from ...core.outputs import RequestDelta
 
 logger = logging.getLogger("tokenmill.serve")
@@ -42,10 +43,6 @@ def _import_tokenizer_modules() -> None:
         import transformers.tokenization_utils_fast  # noqa: F401
     except ImportError:      # a factory whose tokenizer is not a transformers one
         pass
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone (crashed, killed, or stopped for shutdown)."""
 
 
 class Sink(Protocol):

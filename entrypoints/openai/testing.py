@@ -3,7 +3,7 @@ helper that starts `tokenmill serve` for tests.
 
 `tokenmill serve --engine-factory tokenmill.entrypoints.openai.testing:FakeEngine` serves the fake.
 It follows the engine's contract: the default model's real tokenizer (chat template included),
-the same request validation (RequestError with `param`/`code`: vocabulary, empty prompt, context
+the engine's own request validation (core/request_checks.py: vocabulary, empty prompt, context
 length, explicit max_tokens, KV pool), and per-step `RequestDelta`s (new token ids, new text with a
 partial stop string held back, new logprobs; metrics on the finishing delta). It "generates" token
 ids from a seeded RNG (greedy: a fixed function of the prompt), one token per step per sequence,
@@ -26,9 +26,10 @@ from typing import Any, Iterable, Optional
 
 from ...core.detokenizer import IncrementalDetokenizer
 from ...core.loaders.model_source import resolve_model_source
+from ...core import request_checks
 from ...core.errors import RequestError
 from ...core.outputs import CompletionDelta, EngineStats, RequestDelta, RequestMetrics
-from ...core.pooling_params import PoolingParams
+from ...core.pooling_params import pooling_request
 
 
 class _Platform:
@@ -99,56 +100,25 @@ class FakeEngine:
         self._stats = EngineStats()
 
     # ------------------------------------------------------------------ requests
-    def _prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise RequestError("prompt_token_ids must be a list of integers", "prompt")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of vocabulary (size {self.vocab_size})", "prompt",
-                               "invalid_value")
-        return list(prompt)
-
     def add_request(self, request_id: str, prompt: Any, params: Any, arrival_time: Optional[float] = None,
                     priority: int = 0, max_tokens_must_fit: bool = False, group_id: Optional[str] = None) -> None:
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
-        if isinstance(params, PoolingParams):      # a generating model, as the real engine answers
-            raise RequestError("The model does not support Embeddings API.", "model", "model_not_supported")
-        ids = self._prompt_ids(prompt)
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id", "invalid_value")
+        # The engine's own checks, so a refusal reads exactly as the engine's (core/request_checks.py).
+        _, ids = request_checks.prompt_token_ids(prompt, self.tokenizer.encode, self.vocab_size)
+        params, _ = pooling_request(params, None, len(ids), self.max_model_len, self._fits_in_pool)
         limit = self.max_model_len
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt", "invalid_value")
-        if len(ids) + 1 > limit:
-            raise RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                               f"{len(ids)} tokens. Please reduce the length of the prompt.", "prompt",
-                               "context_length_exceeded")
+        request_checks.check_length(len(ids), params, limit, max_tokens_must_fit, self._fits_in_pool)
         max_tokens = params.max_tokens
-        if (max_tokens_must_fit and max_tokens is not None and params.is_explicit("max_tokens")
-                and len(ids) + max_tokens > limit):
-            raise RequestError(f"This model's maximum context length is {limit} tokens. However, you requested "
-                               f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} in the "
-                               f"completion). Please reduce the length of the prompt or of max_tokens.",
-                               "max_tokens", "context_length_exceeded")
         room = limit - len(ids)      # an unset max_tokens is clipped to the context
         max_tokens = room if max_tokens is None else min(max_tokens, room)
-        needed = -(-(len(ids) + 1) // self.block_size) * params.n
-        if needed > self.num_kv_blocks:
-            raise RequestError(f"the prompt needs {needed} KV blocks but the pool has only {self.num_kv_blocks}",
-                               "prompt")
         r = _Req(request_id, ids, params, max_tokens,
                  time.monotonic() if arrival_time is None else arrival_time, self.tokenizer, group_id)
         self.requests[request_id] = r
         self.waiting.append(r)
+
+    def _fits_in_pool(self, num_tokens: int) -> Optional[str]:
+        return request_checks.pool_problem(num_tokens, self.block_size, self.num_kv_blocks)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)

@@ -1,7 +1,7 @@
 // The cpu platform's fused decode step (platforms/cpu_fused_decode.py): one call runs a whole
 // pre-norm Llama-style decoder for a few decoding tokens — embedding, then per layer RMSNorm,
 // QKV matmul (+ bias, + per-head q/k norm), rotary embedding, paged attention (the attention
-// backend's own kernel, through a function pointer with the ABI of
+// backend's own kernel, e.g. paged_decode.cpp's, through a function pointer with the ABI of
 // attention_backends/interface.py NATIVE_DECODE_ABI), O projection + residual, RMSNorm,
 // gate/up matmul, SiLU-and-multiply, down projection + residual — and the final norm.
 //
@@ -31,7 +31,15 @@
 //    (platforms/cpu_gguf_kernels.py), used in place: Q4 (Q4_0, Q4_1), Q8 (Q8_0) and the
 //    Q4K / Q6K kinds below; the embedding rows come looked up by the caller.
 // Plain C++ with OpenMP and intrinsics, no torch headers (built by platforms/native_build.py).
-#include <immintrin.h>
+//
+// Instruction sets: the library needs AVX512-VNNI (every quantized kind, the activation
+// quantization): a target without it gets no library (tokenmill_cpu.h refuses the build;
+// native_build reports "this CPU has no AVX512-VNNI" and the callers run their torch paths).
+// BF16 weights need AVX512-BF16 and AMX tiles AMX-BF16: optional, reported by fused_decode_caps()
+// (& 2, & 4), which the Python side checks before handing over such weights; their code
+// exists only under TM_AVX512_BF16 / TM_AMX_BF16.
+#define TOKENMILL_REQUIRES_AVX512_VNNI 1
+#include "tokenmill_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,11 +48,10 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include "amx_tiles.h"
-#endif
 
 namespace {
+
+namespace tm = tokenmill_cpu;
 
 constexpr int64_t kRows = 16;     // output rows per block
 constexpr int64_t kGroup = 32;    // Q4 group along the input
@@ -101,13 +108,6 @@ struct FusedModel {
 
 namespace {
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 // Per-token scratch: the activation in the form a matmul reads.
 struct QuantizedInput {
   std::vector<int8_t> q;        // [tokens, k]
@@ -127,8 +127,7 @@ void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) 
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < groups; ++g) {
       const float* src = x + t * k + g * kGroup;
-#if defined(__AVX512F__)
-      {  // the loop below, 16 lanes at a time (cvtps rounds to nearest even, as nearbyint does)
+      {  // 16 lanes at a time (cvtps rounds to nearest even, as nearbyint would)
         const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float sa = amax / 127.0f;
@@ -145,40 +144,15 @@ void quantize_q8(const float* x, int64_t tokens, int64_t k, QuantizedInput& in) 
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst_u + 16), _mm_xor_si128(bhi, flip));
         in.scale[t * groups + g] = sa;
         in.offset[t * groups + g] = sa * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
-        continue;
       }
-#endif
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float sa = amax / 127.0f;
-      const float inv = sa > 0.0f ? 1.0f / sa : 0.0f;
-      int8_t* dst = in.q.data() + t * k + g * kGroup;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(src[i] * inv));
-        dst[i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      uint8_t* dst_u = in.qu.data() + t * k + g * kGroup;
-      for (int64_t i = 0; i < kGroup; ++i) dst_u[i] = static_cast<uint8_t>(dst[i] ^ 0x80);
-      in.scale[t * groups + g] = sa;
-      in.offset[t * groups + g] = sa * static_cast<float>(sum);
     }
 }
 
 void round_bf16(const float* x, int64_t count, QuantizedInput& in, int64_t rows = 1) {
   in.bf16.resize(count);
 #pragma omp parallel for schedule(static) if (rows >= kParallelRows)
-  for (int64_t i = 0; i < count; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &x[i], sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1);          // round to nearest even, as torch does
-    in.bf16[i] = static_cast<uint16_t>(bits >> 16);
-  }
+  for (int64_t i = 0; i < count; ++i) in.bf16[i] = tm::f32_to_bf16(x[i]);   // nearest even, as torch
 }
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kHasQ4 = true;
 
 // One group of 32 inputs of a 4-bit block (16 rows) into the T tokens' accumulators:
 // acc += scale * sa * dot(q, a) + low * offset (the activation's per-group scale and offset).
@@ -333,17 +307,8 @@ void s8_matmul(const FusedLinear& w, const QuantizedInput& in, int64_t tokens, f
   for (int64_t bp = 0; bp < blocks / 2; ++bp) s8_blocks<2>(w, 2 * bp, in, tokens, y);
   if (blocks % 2) s8_blocks<1>(w, blocks - 1, in, tokens, y);
 }
-#else
-constexpr bool kHasQ4 = false;
-void s8_matmul(const FusedLinear&, const QuantizedInput&, int64_t, float*) {}
-template <int T>
-inline void q4_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-template <int T>
-inline void q8_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-#endif
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16 = true;
+#if TM_AVX512_BF16
 
 template <int T>
 inline void bf16_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y,
@@ -397,7 +362,7 @@ inline void bf16_block2(const FusedLinear& w, int64_t b, const QuantizedInput& i
       _mm512_storeu_ps(y + (t0 + t) * y_stride + (b + j) * kRows, _mm512_add_ps(acc[t][j][0], acc[t][j][1]));
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if TM_AMX_BF16
 // AMX (Sapphire Rapids and later): bf16 steps of kAmxTokens+ tokens as 16 x 16 float32 tiles,
 // C += A (16 tokens x 32 inputs) . B (16 input pairs x 16 rows x 2). The BF16 weight layout
 // [block][K/2][16][2] is already B's: a block's 16 pairs of a 32-input chunk are 1 KiB, 64 bytes
@@ -407,7 +372,7 @@ inline void bf16_block2(const FusedLinear& w, int64_t b, const QuantizedInput& i
 // not depend on its batch.
 constexpr int64_t kAmxTokens = 1;
 
-using tokenmill_amx::amx_ready;
+using tm::amx_ready;
 
 // Where a matmul's activation tiles come from and where its output tiles go. Activations: bf16
 // rows, `k` inputs each; a tile starting at or past `tail_start` reads `tail` (the last partial
@@ -442,7 +407,7 @@ struct AmxOperands {
         for (int64_t t = first; t < last; ++t) {                                              \
           const __m512 v = _mm512_add_ps(_mm512_load_ps(scratch + (t - first) * 16), bias);   \
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(op.y_bf16 + t * w.n + block * kRows),  \
-                              (__m256i)_mm512_cvtneps_pbh(v));                                \
+                              tm::f32x16_to_bf16(v));                                         \
         }                                                                                     \
       } else {                                                                                \
         for (int64_t t = first; t < last; ++t)                                                \
@@ -496,7 +461,7 @@ void amx_bf16_run(const FusedLinear& w, const AmxOperands& op) {
   const int64_t block_pairs = (blocks + 1) / 2, chunks = (tiles + kAmxChunkTiles - 1) / kAmxChunkTiles;
 #pragma omp parallel
   {
-    tokenmill_amx::configure_tiles();
+    tm::configure_tiles();
     alignas(64) float scratch[16 * 16];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < chunks * block_pairs; ++item) {
@@ -539,19 +504,8 @@ bool amx_bf16_linear(const FusedLinear& w, const uint16_t* x, int64_t tokens, co
                               tail_start, tokens, nullptr, y, bias});
   return true;
 }
-#else
-bool amx_bf16_matmul(const FusedLinear&, QuantizedInput&, int64_t, float*) { return false; }
-bool amx_bf16_linear(const FusedLinear&, const uint16_t*, int64_t, const float*, uint16_t*) { return false; }
-#endif
-#else
-constexpr bool kHasBf16 = false;
-bool amx_bf16_matmul(const FusedLinear&, QuantizedInput&, int64_t, float*) { return false; }
-bool amx_bf16_linear(const FusedLinear&, const uint16_t*, int64_t, const float*, uint16_t*) { return false; }
-template <int T>
-inline void bf16_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-template <int T>
-inline void bf16_block2(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-#endif
+#endif  // TM_AMX_BF16
+#endif  // TM_AVX512_BF16
 
 // GGUF K-quants kept at the file's size (platforms/cpu_gguf_kernels.py packs them). Super-blocks
 // of 256 inputs = 8 groups of 32; per (row block, super-block) one metadata record in `scales`:
@@ -562,7 +516,6 @@ inline void bf16_block2(const FusedLinear&, int64_t, const QuantizedInput&, int6
 //    int8 scales [16 sub-groups of 16][16 rows] (288 bytes): w = d*sc16*(q - 32). The 6-bit
 //    values become s8 (q - 32) times the u8 activation (a8 + 128), as Q8, with the two 16-wide
 //    halves of a group summed apart (each has its own scale) and 128*sum(w) subtracted exactly.
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kSuper = 256;
 constexpr int64_t kQ4KRecord = 320, kQ6KRecord = 288, kQ6KGroupBytes = 384;
 
@@ -654,12 +607,6 @@ inline void q6k_block(const FusedLinear& w, int64_t b, const QuantizedInput& in,
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (t0 + t) * y_stride + b * kRows, acc[t]);
 }
-#else
-template <int T>
-inline void q4k_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-template <int T>
-inline void q6k_block(const FusedLinear&, int64_t, const QuantizedInput&, int64_t, float*, int64_t) {}
-#endif
 
 template <int T>
 inline void any_block(const FusedLinear& w, int64_t b, const QuantizedInput& in, int64_t t0, float* y) {
@@ -672,7 +619,12 @@ inline void any_block(const FusedLinear& w, int64_t b, const QuantizedInput& in,
   else if (w.kind == 4)
     q6k_block<T>(w, b, in, t0, y, w.n);
   else
+#if TM_AVX512_BF16
     bf16_block<T>(w, b, in, t0, y, w.n);
+#else
+    tm::refuse_call("a BF16 weight (FusedLinear kind 1) needs AVX512-BF16, which this build lacks "
+                    "(fused_decode_caps() & 2 is 0)");
+#endif
 }
 
 // y [tokens, n] = x [tokens, k] W^T (+ bias), threads over row blocks.
@@ -684,8 +636,11 @@ void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, Quan
   const int64_t blocks = w.n / kRows;
   if (w.kind == 5) {
     s8_matmul(w, in, tokens, y);
+#if TM_AMX_BF16
   } else if (w.kind == 1 && amx_bf16_matmul(w, in, tokens, y)) {
     // done on AMX tiles
+#endif
+#if TM_AVX512_BF16
   } else if (w.kind == 1 && tokens >= kTok && blocks % 2 == 0) {
     // Batches of bf16 rows: pairs of blocks, 6 tokens a pass (24 accumulators).
 #pragma omp parallel for schedule(static)
@@ -702,6 +657,7 @@ void matmul(const FusedLinear& w, const float* x, int64_t tokens, float* y, Quan
         default: break;
       }
     }
+#endif
   } else {
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
@@ -756,13 +712,11 @@ extern "C" {
 
 int tokenmill_kernels_abi_version() { return 4; }
 
-// Bit 0: Q4 matmuls run here (AVX512-VNNI); bit 1: BF16 matmuls (AVX512-BF16); bit 2: those on
-// AMX tiles.
+// Bit 0: Q4 matmuls run here (AVX512-VNNI: always, a build without it is refused); bit 1: BF16
+// matmuls (AVX512-BF16); bit 2: those on AMX tiles. Callers check a bit before using its kinds.
 int64_t fused_decode_caps() {
-  int64_t caps = (kHasQ4 ? 1 : 0) | (kHasBf16 ? 2 : 0);
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-  if (amx_ready()) caps |= 4;
-#endif
+  int64_t caps = 1 | (TM_AVX512_BF16 ? 2 : 0);
+  if (tm::amx_usable()) caps |= 4;
   return caps;
 }
 
@@ -771,7 +725,6 @@ int64_t fused_decode_caps() {
 // the number of threads that ran; the caller times the call (ops = 2 * 64 * 16 * iterations * threads).
 int64_t vnni_peak_loop(int64_t iterations) {
   int64_t threads = 1;
-#if defined(__AVX512VNNI__)
 #pragma omp parallel
   {
 #pragma omp single
@@ -800,7 +753,6 @@ int64_t vnni_peak_loop(int64_t iterations) {
     volatile int sink = _mm512_reduce_add_epi32(sum);
     (void)sink;
   }
-#endif
   return threads;
 }
 
@@ -812,10 +764,16 @@ void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y
 }
 
 // y [tokens, n] bf16 = x [tokens, k] bf16 times a BF16 layout (+ bias, float32 [n] or null), on
-// AMX tiles: the eager path's dense linears under dtype=bfloat16. 0 where this CPU or build has
-// no AMX (the caller keeps its own GEMM).
+// AMX tiles: the eager path's dense linears under dtype=bfloat16. Returns 1 when done, 0 (y
+// untouched) where this CPU or build has no AMX (fused_decode_caps() & 4 is 0): the caller
+// keeps its own GEMM.
 int64_t bf16_linear(const FusedLinear* w, const uint16_t* x, int64_t tokens, const float* bias, uint16_t* y) {
+#if TM_AMX_BF16
   return w->kind == 1 && amx_bf16_linear(*w, x, tokens, bias, y) ? 1 : 0;
+#else
+  (void)w, (void)x, (void)tokens, (void)bias, (void)y;
+  return 0;
+#endif
 }
 
 // One decode step for `tokens` sequences, one new token each: ids/positions/slots [tokens],
@@ -853,7 +811,7 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
       std::memcpy(dst, embedded + t * hidden, hidden * sizeof(float));
     } else if (m->embedding_bf16) {
       const uint16_t* row = static_cast<const uint16_t*>(m->embedding) + ids[t] * hidden;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] = bf16_to_f32(row[c]);
+      for (int64_t c = 0; c < hidden; ++c) dst[c] = tm::bf16_to_f32(row[c]);
     } else {
       std::memcpy(dst, static_cast<const float*>(m->embedding) + ids[t] * hidden, hidden * sizeof(float));
     }

@@ -5,11 +5,15 @@
 //  * the two ends of an int8 x int8 GEMM with per-token activation scales (quantize the rows,
 //    taking out the outlier channels; dequantize the int32 result), each one pass over memory
 //    instead of the ~12 small torch ops they replace.
-// (Paged decode attention lives with its backend: attention_backends/csrc/paged_decode.cpp.)
+// (cpu_sdpa's paged decode attention is paged_decode.cpp, in this folder too.)
 //
 // Plain C++ with OpenMP, no torch headers: it compiles in about a second and is called through
 // ctypes (platforms/cpu_kernels.py, built by platforms/native_build.py). libgomp.so.1 resolves to
 // the runtime torch has already loaded, so torch.set_num_threads governs these threads too.
+// Builds for any target: dequantize_int32's AVX-512 tiles (TM_AVX512F) leave the columns they do
+// not cover, or all of them elsewhere, to its portable loop.
+#include "tokenmill_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -18,9 +22,9 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+using tokenmill_cpu::bf16_to_f32;
+using tokenmill_cpu::f32_to_bf16;
+using tokenmill_cpu::round_to_bf16;
 
 extern "C" {
 
@@ -87,22 +91,7 @@ void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
 
 // bf16 versions of the three (bf16 activations, as --dtype bfloat16 runs prompts): float32 math
 // rounded to bf16 (nearest even) wherever torch's bf16 ops round, so the results are torch's to
-// within the float32 rounding of the reductions and exp.
-static inline float bf16_to_f32(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-static inline uint16_t f32_to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+// within the float32 rounding of the reductions and exp (conversions: tokenmill_cpu.h).
 
 // out = round(round(norm(s)) * weight), s = x or round(x + residual) (also written to residual_out).
 void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, float eps, uint16_t* out,
@@ -133,7 +122,7 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* 
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
       uint16_t* orow = out + r * cols;
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(round_bf16(src[c] * inv) * bf16_to_f32(weight[c]));
+      for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(round_to_bf16(src[c] * inv) * bf16_to_f32(weight[c]));
     }
   }
 }
@@ -153,8 +142,8 @@ void rope_bf16(const uint16_t* x, int64_t x_row_stride, const uint16_t* cos_sin,
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
         const float c = bf16_to_f32(cs[i]), s = bf16_to_f32(sn[i]);
-        oh[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
-        oh[half + i] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+        oh[i] = f32_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * s));
+        oh[half + i] = f32_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * s));
       }
     }
   }
@@ -177,7 +166,7 @@ void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_bf16(g[i]) * bf16_to_f32(up[i]));
+      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
     }
   }
 }
@@ -240,7 +229,7 @@ void dequantize_int32(const int32_t* acc, const float* token_scale, const float*
   // separate K = 16 GEMM wrote and re-read a float32 [rows, cols] tensor for them). Tiles of 4
   // rows x 64 columns: each outlier weight vector loaded once for 4 rows (a row at a time
   // re-read and re-wrote its output once per outlier: 5.8 vs 1.4 ms at 2048 x 3072 here).
-#if defined(__AVX512F__)
+#if TM_AVX512F
   const int64_t chunks = cols / 64, row_tiles = (rows + 3) / 4;
 #pragma omp parallel for schedule(static) collapse(2)
   for (int64_t rt = 0; rt < row_tiles; ++rt)

@@ -2,15 +2,17 @@
 // adapter group of a step in one call, instead of a gather, two bmm and an index_add per adapted
 // linear (core/lora/punica.py's torch op), whose per-op overhead is most of its time here.
 //
-// Plain C++ with OpenMP and AVX-512 intrinsics (a scalar fallback without), no torch headers;
-// built by platforms/native_build.py and called through ctypes. libgomp.so.1 resolves to the
-// runtime torch has loaded, so torch.set_num_threads governs these threads too.
+// Plain C++ with OpenMP and AVX-512 intrinsics (TM_AVX512BW; the same tiles as plain loops
+// without), no torch headers; built by platforms/native_build.py and called through ctypes.
+// libgomp.so.1 resolves to the runtime torch has loaded, so torch.set_num_threads governs these
+// threads too.
+#include "tokenmill_cpu.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include <immintrin.h>
 #include <omp.h>
 
 extern "C" int tokenmill_kernels_abi_version() { return 1; }
@@ -30,23 +32,9 @@ namespace {
 using bf16_t = uint16_t;
 
 inline float scalar_f(float v) { return v; }
-inline float scalar_f(bf16_t v) {
-  const uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+inline float scalar_f(bf16_t v) { return tokenmill_cpu::bf16_to_f32(v); }
 inline void scalar_store(float* p, float v) { *p = v; }
-inline void scalar_store(bf16_t* p, float v) {   // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = static_cast<bf16_t>((u >> 16) | 0x40);
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<bf16_t>(u >> 16);
-}
+inline void scalar_store(bf16_t* p, float v) { *p = tokenmill_cpu::f32_to_bf16_keep_nan(v); }
 
 // Shrink tiles: up to 3 vectors of rank columns (a q/k/v layer's 3 x 16) by as many rows as
 // keep ~16-24 accumulators, so that one pass reads whole lines of A (row-major, width wide)
@@ -57,21 +45,12 @@ inline int shrink_rows(int vectors) { return vectors == 1 ? 16 : vectors == 2 ? 
 constexpr int kExpandRows = 6;     // row tile x 4 vectors of B: 24 accumulators
 constexpr int kExpandVectors = 4;
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if TM_AVX512BW
 inline __m512 vload(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 vload(const bf16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
+inline __m512 vload(const bf16_t* p, __mmask16 m) { return tokenmill_cpu::bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p)); }
 inline void vstore(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void vstore(bf16_t* p, __m512 v, __mmask16 m) {
-#if defined(__AVX512BF16__)
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-#else
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-#endif
+  _mm256_mask_storeu_epi16(p, m, tokenmill_cpu::f32x16_to_bf16(v));
 }
 
 // acc[m][v] = sum_k rows[m][k] * w[k * ld + 16 v + lane], k < depth; the last vector masked by tail.

@@ -21,10 +21,10 @@ class TestCpuPlatform(CpuPlatform):
     def attention_backends(self) -> list[str]:
         return ["testcpu_paged"]
 
-    def graph_capture_strategies(self) -> list[str]:
+    def decode_programs(self) -> list[str]:
         return ["none"]
 
-    def graph_capture(self, config):
-        from tokenmill.platforms.interface import GraphCapture, choose_graph_capture
-        choose_graph_capture(config, self.name, self.graph_capture_strategies(), "none")
-        return GraphCapture()
+    def decode_program(self, config):
+        from tokenmill.platforms.interface import DecodeProgram, choose_decode_program
+        choose_decode_program(config, self.name, self.decode_programs(), "none")
+        return DecodeProgram()

@@ -1,20 +1,37 @@
-"""What one step's forward needs of each scheduled sequence, and what comes back, by position in
-the batch rather than by Sequence object.
+"""The one step boundary: what the scheduler hands the model runner (`ScheduledBatch`, and the
+`StepInputs` a worker process receives for it) and what comes back (`StepOutput`).
 
-In one process the runner reads these straight off the scheduler's batch; with several workers
-(core/executor.py) this is the message each rank receives every step, so it carries only what a
-forward pass reads: the tokens fed this step (not the whole history), the first position, the
-block table and which rows are sampled.
+In one process the runner reads the inputs straight off the scheduler's batch; with several
+workers (core/executor.py) `StepInputs` is the message each rank receives every step, so it
+carries only what a forward pass reads: the tokens fed this step (not the whole history), the
+first position, the block table and which rows are sampled. Results are by position in the batch
+(entry index), never by Sequence object, so the same type crosses a process boundary; the
+scheduler maps them back to its sequences (`StepOutput.sampled_seqs`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    # (sequence, number of new tokens) — decodes first, then prefill chunks
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_decodes: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    first_scheduled: list[Sequence] = field(default_factory=list)   # admitted for the first time
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
 
 
 @dataclass
@@ -38,7 +55,7 @@ class StepInputs:
     num_decodes: int            # the first num_decodes entries are single-token decodes
 
     @classmethod
-    def from_batch(cls, batch: "ScheduledBatch") -> "StepInputs":
+    def from_batch(cls, batch: ScheduledBatch) -> "StepInputs":
         entries = []
         for seq, n in batch.entries:
             start = seq.num_computed_tokens
@@ -75,6 +92,14 @@ class StepOutput:
     num_rows: Optional[list[int]] = None     # rows per sampled entry when drafts were verified
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (entry, start, logits)
     pooled: list[tuple[Any, list[float]]] = field(default_factory=list)   # in-process only: (sequence, vector)
+
+    def rows_per_seq(self) -> list[int]:
+        """Rows of `logits` per sampled sequence (1 + its drafts when drafts were verified)."""
+        return self.num_rows if self.num_rows is not None else [1] * len(self.sampled)
+
+    def sampled_seqs(self, batch: ScheduledBatch) -> list["Sequence"]:
+        """The batch's sequences behind `logits`' rows, in row order."""
+        return [batch.entries[i][0] for i in self.sampled]
 
     @staticmethod
     def merge(outputs: list["StepOutput"], sizes: list[int]) -> "StepOutput":

@@ -1,11 +1,16 @@
-// bf16 flash-attention tiles shared by attention_backends/csrc/flash_prefill.cpp (prompt chunks)
-// and attention_backends/csrc/paged_decode.cpp (a cascade's shared prefix): K/V re-laid out into
-// the pair layouts AVX512-BF16 and AMX read, and a tile of queries attending over them: 8 on
-// AVX512-BF16 dot products (attend_tile), 16 on AMX tiles where the CPU has them
-// (attend_tile_amx). Included inside each file's own anonymous namespace,
-// after <immintrin.h>, where __AVX512BF16__ is defined; platforms/native_build.py hashes quoted
-// includes into each library's build key.
+// bf16 flash-attention tiles shared by flash_prefill.cpp (prompt chunks) and paged_decode.cpp
+// (a cascade's shared prefix, prompt chunks over the cache): K/V re-laid out into the pair
+// layouts AVX512-BF16 and AMX read, and a tile of queries attending over them: 8 on AVX512-BF16
+// dot products (attend_tile), 16 on AMX tiles where the build and the CPU have them
+// (attend_tile_amx; tile_kernel picks). Included after tokenmill_cpu.h, only where TM_AVX512_BF16;
+// platforms/native_build.py hashes quoted includes into each library's build key.
 #pragma once
+
+#include "tokenmill_cpu.h"
+
+#if !TM_AVX512_BF16
+#error "flash_tiles.h needs AVX512-BF16: include it under #if TM_AVX512_BF16"
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -13,22 +18,11 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include "../../platforms/csrc/amx_tiles.h"
-#endif
-
 namespace tokenmill_flash {
 
 constexpr int64_t kKeys = 16;   // keys per block: one 512-bit register of float32 scores
 // The running maximum before any score: finite, since -ffast-math assumes no infinities.
 constexpr float kNone = -1e30f;
-
-inline uint16_t round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // Key block b (kKeys keys) of KV head g of one prompt of tk keys into the kernel's layouts: K as
 // [d/2][16][2] pairs, V as key pairs [d][2]; kp/vp point at the prompt's packed heads.
@@ -102,7 +96,7 @@ inline void store_rows(const float (*acc)[D], const float (*lsum)[kKeys], const 
       if constexpr (std::is_same<Out, float>::value)
         dst[c] = acc[r][c] * inv;
       else
-        dst[c] = round_bf16(acc[r][c] * inv);
+        dst[c] = tokenmill_cpu::f32_to_bf16(acc[r][c] * inv);
     }
     if (lse) lse[h * tq + i0 + r] = m[r] * m_unit + std::log(total);
   }
@@ -238,7 +232,9 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
   store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
 }
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+constexpr int64_t kAmxRows = 16;   // query rows per AMX tile
+
+#if TM_AMX_BF16
 // AMX tiles (Sapphire Rapids and later): 16 queries a tile, two key blocks (32 keys) a pass.
 // S = Q.K^T as two 16 x 16 float32 tiles (the packed K block's D/2 pairs x 16 keys x 2 is the
 // tile's B layout already), the online softmax on vectors (exp by exp2 polynomial: glibc's vector
@@ -246,9 +242,6 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
 // A tile, P.V into fresh tiles (V's key pairs x D x 2 is B's layout), added to the float32
 // accumulators after their rescale. torch's own flash runs on AMX too (its Sleef exp half its
 // time): a 2048-token causal SmolLM2 prompt took 7.0 ms here against its 9.5 (2-core Xeon).
-constexpr int64_t kAmxRows = 16;
-
-using tokenmill_amx::amx_ready;
 
 // attend_tile_amx for D = 64, with P.V accumulated in four resident tiles (4-7: 16 rows x 64
 // dims of float32) instead of stored, rescaled and added on vectors every pass, and a lazy
@@ -297,7 +290,7 @@ void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, 
                        int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale,
                        int64_t q_offset, bool causal, float* lse, int64_t tq) {
   constexpr int D = 64;
-  tokenmill_amx::configure_tiles();
+  tokenmill_cpu::configure_tiles();
   alignas(64) float acc[kAmxRows][D];
   alignas(64) float s[2][2][kAmxRows][kKeys];     // [buffer][key block][row][key]
   alignas(64) uint16_t prob[kAmxRows][2 * kKeys];
@@ -443,7 +436,7 @@ void attend_tile_amx(const uint16_t* q, int64_t q_stride, const uint16_t* kp, co
     attend_tile_amx64<Out>(q, q_stride, kp, vp, out, out_stride, h, i0, rows, tk, scale, q_offset, causal, lse, tq);
     return;
   }
-  tokenmill_amx::configure_tiles();
+  tokenmill_cpu::configure_tiles();
   alignas(64) float acc[kAmxRows][D];
   alignas(64) float part[kAmxRows][D];
   alignas(64) float s[2][2][kAmxRows][kKeys];     // [buffer][key block][row][key]
@@ -523,15 +516,19 @@ void attend_tile_amx(const uint16_t* q, int64_t q_stride, const uint16_t* kp, co
   }
   store_rows<D, Out>(acc, lsum, m, 1.0f, rows, out, out_stride, h, i0, lse, tq);
 }
-constexpr bool kHasAmx = true;
-#else
-constexpr int64_t kAmxRows = 16;
-constexpr bool kHasAmx = false;
-inline bool amx_ready() { return false; }
+#endif  // TM_AMX_BF16
+
+// The tile a host runs (amx: tokenmill_cpu::amx_usable(), asked once per call): attend_tile_amx
+// (kAmxRows queries) where the build has AMX and amx is true, else attend_tile (kRows).
 template <int D, typename Out = uint16_t>
-void attend_tile_amx(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, Out*, int64_t, int64_t, int64_t,
-                     int64_t, int64_t, float, int64_t, bool, float*, int64_t) {}
+inline auto tile_kernel(bool amx) -> decltype(&attend_tile<D, Out>) {
+#if TM_AMX_BF16
+  return amx ? attend_tile_amx<D, Out> : attend_tile<D, Out>;
+#else
+  (void)amx;
+  return attend_tile<D, Out>;
 #endif
+}
 
 
 }  // namespace tokenmill_flash

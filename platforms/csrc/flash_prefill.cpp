@@ -1,5 +1,5 @@
-// Causal (or full) attention of a prompt chunk for the cpu_sdpa backend, bf16 in and out, on
-// AVX512-BF16 dot products: flash attention with an online softmax against a lazy base-2
+// Causal (or full) attention of a prompt chunk for the cpu_sdpa backend
+// (attention_backends/cpu_flash_prefill.py), bf16 in and out, on AVX512-BF16 dot products: flash attention with an online softmax against a lazy base-2
 // maximum, float32 scores and accumulators, the probabilities rounded to bf16 for P.V (as GPU
 // flash kernels do). The tiles (attend_tile, attend_tile_amx) live in flash_tiles.h, shared
 // with the decode kernel's cascade prefix.
@@ -16,7 +16,12 @@
 //   out [tq, num_heads, D]      bf16 (round to nearest even)
 //   lse [num_heads, tq]         float32 log-sum-exp of the scaled scores, or null
 // Causal: query i sees keys 0 .. q_offset + i; otherwise every key. Plain C++ with OpenMP and
-// no torch headers, built by platforms/native_build.py like paged_decode.cpp.
+// no torch headers, built by platforms/native_build.py like paged_decode.cpp. A build target
+// without AVX512-BF16 gets no library: tokenmill_cpu.h refuses the build, and native_build
+// reports "this CPU has no AVX512-BF16" (cpu_sdpa keeps torch's SDPA).
+#define TOKENMILL_REQUIRES_AVX512_BF16 1
+#include "tokenmill_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,14 +31,10 @@
 
 #include <omp.h>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "flash_tiles.h"
 
 extern "C" int tokenmill_kernels_abi_version() { return 2; }
 
-#if defined(__AVX512BF16__)
-#include "flash_tiles.h"
 
 namespace {
 using namespace tokenmill_flash;
@@ -49,7 +50,7 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   kp.assign(num_kv_heads * head + kKeys * D, 0);     // + a zero block: AMX passes read two blocks
   vp.assign(num_kv_heads * head + kKeys * D, 0);
   pack_kv(k, k_stride, v, v_stride, tk, num_kv_heads, D, kp.data(), vp.data());
-  const bool amx = kHasAmx && amx_ready();
+  const bool amx = tokenmill_cpu::amx_usable();
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   const int64_t group = num_heads / num_kv_heads, tiles = (tq + tile_rows - 1) / tile_rows;
   const uint16_t* kpd = kp.data();
@@ -59,7 +60,7 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   for (int64_t item = 0; item < num_heads * tiles; ++item) {
     const int64_t tile = tiles - 1 - item / num_heads, h = item % num_heads, g = h / group;
     const int64_t i0 = tile * tile_rows;
-    (amx ? attend_tile_amx<D> : attend_tile<D>)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
+    tile_kernel<D>(amx)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
                                                 std::min(tile_rows, tq - i0), tk, scale, q_offset, causal, lse, tq);
   }
 }
@@ -74,7 +75,7 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
   std::vector<int64_t> packed(batch + 1, 0);        // offset of each prompt's packed heads
   std::vector<int64_t> first_item(batch + 1, 0);
   const int64_t group = num_heads / num_kv_heads;
-  const bool amx = kHasAmx && amx_ready();
+  const bool amx = tokenmill_cpu::amx_usable();
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   for (int64_t p = 0; p < batch; ++p) {
     const int64_t len = starts[p + 1] - starts[p];
@@ -108,7 +109,7 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
     const int64_t local = item - first_item[p];
     const int64_t tile = tiles - 1 - local / num_heads, h = local % num_heads, g = h / group;
     const int64_t head = ((len + kKeys - 1) / kKeys) * kKeys * D, i0 = tile * tile_rows;
-    (amx ? attend_tile_amx<D> : attend_tile<D>)(
+    tile_kernel<D>(amx)(
         q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
         out + starts[p] * out_stride, out_stride, h, i0, std::min(tile_rows, len - i0), len, scale, 0, causal,
         lse ? lse + starts[p] : nullptr, starts[batch]);
@@ -116,7 +117,6 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
 }
 
 }  // namespace
-#endif
 
 extern "C" {
 
@@ -126,7 +126,6 @@ int64_t flash_prefill_batch_bf16(const uint16_t* q, int64_t q_stride, const uint
                                  const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
                                  const int64_t* starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_size, float scale, int64_t causal, float* lse) {
-#if defined(__AVX512BF16__)
   if (head_size == 64) {
     run_batch<64>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, batch, num_heads, num_kv_heads,
                   scale, causal != 0, lse);
@@ -137,27 +136,19 @@ int64_t flash_prefill_batch_bf16(const uint16_t* q, int64_t q_stride, const uint
                    scale, causal != 0, lse);
     return 0;
   }
-#endif
   return -1;
 }
 
 
-// 1 when this build has the kernel (the CPU has AVX512-BF16), else 0.
-// 0: not built for this CPU; 1: AVX512-BF16 dot products; 3: AMX tiles as well.
-int64_t flash_prefill_available() {
-#if defined(__AVX512BF16__)
-  return amx_ready() ? 3 : 1;
-#else
-  return 0;
-#endif
-}
+// 1: AVX512-BF16 dot products; 3: AMX tiles as well. (Never 0 now: a target without
+// AVX512-BF16 gets no library at all; the Python side still treats 0 as "not here".)
+int64_t flash_prefill_available() { return tokenmill_cpu::amx_usable() ? 3 : 1; }
 
-// Head sizes 64 and 128; returns 0 when done, -1 for a head size (or CPU) it does not cover.
+// Head sizes 64 and 128; returns 0 when done, -1 for a head size it does not cover.
 int64_t flash_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                            const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride, int64_t tq, int64_t tk,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, float scale, int64_t q_offset,
                            int64_t causal, float* lse) {
-#if defined(__AVX512BF16__)
   if (head_size == 64) {
     run<64>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, tq, tk, num_heads, num_kv_heads, scale, q_offset,
             causal != 0, lse);
@@ -168,7 +159,6 @@ int64_t flash_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
              causal != 0, lse);
     return 0;
   }
-#endif
   return -1;
 }
 

@@ -16,6 +16,12 @@
 // Only positions [max(first_pos, len - window), len) are read (window <= 0: no window), so no
 // masking values (and no infinities) are ever needed. With lse non-null, the log-sum-exp of
 // each head's scaled scores goes to lse [num_seqs, num_heads] (for merging partial attentions).
+//
+// Builds for any target: the float32 loops are portable C++, the vector loops need AVX-512
+// (TM_AVX512F), the bf16 dot-product kernels AVX512-BF16 (TM_AVX512_BF16), each existing only
+// under its macro; the paged_prefill entries answer -1 ("does not run here") without the latter.
+#include "tokenmill_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,38 +31,27 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__)
+#if TM_AVX512_BF16
 #include "flash_tiles.h"
 #endif
 
 namespace {
+
+namespace tm = tokenmill_cpu;
 
 template <typename KV>
 inline float to_float(KV x);
 template <>
 inline float to_float<float>(float x) { return x; }
 template <>
-inline float to_float<uint16_t>(uint16_t x) {   // bfloat16 bits
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_float<uint16_t>(uint16_t x) { return tm::bf16_to_f32(x); }   // bfloat16 bits
 
 template <typename KV>
 inline KV from_float(float x);
 template <>
 inline float from_float<float>(float x) { return x; }
 template <>
-inline uint16_t from_float<uint16_t>(float x) {   // round to nearest even, as torch's .to(bfloat16)
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
+inline uint16_t from_float<uint16_t>(float x) { return tm::f32_to_bf16(x); }   // as torch's .to(bfloat16)
 
 // fp8 caches (kv_cache_dtype "fp8" / "fp8_e4m3" and "fp8_e5m2", as vLLM's): a byte holds x / scale
 // rounded to nearest even and saturated to the format's largest finite value, as torch's
@@ -114,7 +109,7 @@ inline KV from_float(float x) {     // fp8
   return KV{static_cast<uint8_t>(sign | ((bits >> drop) - rebias))};
 }
 
-#if defined(__AVX512F__)
+#if TM_AVX512F
 // Sixteen values of a K/V row as float32 (bf16 widens exactly: its bits are a float's top half).
 template <typename KV>
 inline __m512 load16(const KV* p);
@@ -122,8 +117,7 @@ template <>
 inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
 template <>
 inline __m512 load16<uint16_t>(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return tm::bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <typename F>
@@ -277,16 +271,7 @@ void pv_scores(const float* scores, int64_t n, const KV* kv, const int32_t* tabl
     }
   }
 }
-constexpr bool kVectorHeads = true;
-#else
-constexpr bool kVectorHeads = false;
-template <typename KV, int D>
-void qk_scores(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-               int64_t, float*, int64_t, float*) {}
-template <typename KV, int D>
-void pv_scores(const float*, int64_t, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-               int64_t, int64_t, float*, float*) {}
-#endif
+#endif  // TM_AVX512F
 
 // row[i] = exp(row[i] - max) over n scores; returns their sum, the maximum in mx.
 inline float exp_row(float* row, int64_t n, float& mx) {
@@ -339,13 +324,17 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
       for (int64_t i = h0 * hd; i < h1 * hd; ++i) qf[i] = qs[i] * (scale * k_scale);
       const int32_t* table = tables + s * table_stride;
 
-      // D a multiple of 16 (64, 128) runs the vector loops; any other size the scalar ones.
-      constexpr bool vector = kVectorHeads && D > 0 && D % 16 == 0;
+      // D a multiple of 16 (64, 128) runs the vector loops (AVX-512); any other size the scalar ones.
+#if TM_AVX512F
+      constexpr bool vector = D > 0 && D % 16 == 0;
       if (vector) {
         kf.resize(16 * row);
         qk_scores<KV, (vector ? D : 16)>(qf.data(), kv, table, block_size, row, group, h0, h1, start, len,
                                          scores.data(), n, kf.data());
       }
+#else
+      constexpr bool vector = false;
+#endif
       for (int64_t t = start; t < (vector ? start : len); ++t) {
         const KV* k = kv + (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
         for (int64_t h = h0; h < h1; ++h) {
@@ -364,9 +353,11 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
         inv_sum[h] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
       }
+#if TM_AVX512F
       if (vector)
         pv_scores<KV, (vector ? D : 16)>(scores.data(), n, kv + v_offset, table, block_size, row, group, h0, h1,
                                          start, len, acc.data(), kf.data());
+#endif
       for (int64_t t = start; t < (vector ? start : len); ++t) {
         const KV* v = kv + v_offset +
                       (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) * row;
@@ -385,7 +376,7 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
   }
 }
 
-#if defined(__AVX512BF16__)
+#if TM_AVX512_BF16
 // decode<uint16_t, D> on AVX512-BF16 dot products: K and V rows are read straight from their
 // blocks (the float32 loops widen every row into a buffer first, and a W1 decode step (64 x 192
 // positions, 30 layers, 283 MB of K/V) ran at 17 GB/s of the 37 this VM reads). The query and
@@ -485,8 +476,8 @@ void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64
       const float* qs = q + s * num_heads * D;
       for (int64_t i = h0 * D; i < h1 * D; ++i) {
         const float x = qs[i] * (scale * k_scale);
-        q_hi[i] = tf::round_bf16(x);
-        q_lo[i] = tf::round_bf16(x - to_float<uint16_t>(q_hi[i]));
+        q_hi[i] = tm::f32_to_bf16(x);
+        q_lo[i] = tm::f32_to_bf16(x - to_float<uint16_t>(q_hi[i]));
       }
       scores.resize(num_heads * n);
       const int64_t width_bytes = (g1 - g0) * D * static_cast<int64_t>(sizeof(KV));
@@ -548,8 +539,8 @@ void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64
         uint16_t* ph = p_hi.data() + (h - h0) * n2;
         uint16_t* pl = p_lo.data() + (h - h0) * n2;
         for (int64_t i = 0; i < n; ++i) {
-          ph[i] = tf::round_bf16(sh[i]);
-          pl[i] = tf::round_bf16(sh[i] - to_float<uint16_t>(ph[i]));
+          ph[i] = tm::f32_to_bf16(sh[i]);
+          pl[i] = tm::f32_to_bf16(sh[i] - to_float<uint16_t>(ph[i]));
         }
       }
       // The K rows of the item this thread most likely takes next (items go out in turn) into
@@ -595,7 +586,7 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
               const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
               float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale) {
-#if defined(__AVX512BF16__)
+#if TM_AVX512_BF16
   if constexpr (!std::is_same<KV, float>::value) {     // bf16 and fp8 caches
     if (head_size == 64)
       return decode_bf16_dots<KV, 64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
@@ -618,7 +609,7 @@ void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table
   }
 }
 
-#if defined(__AVX512F__)
+#if TM_AVX512F
 // Cascade attention for a prefix every row shares (prefix caching: the same physical blocks at
 // the start of every block table): each K/V row of the prefix is read once for all query rows
 // instead of once per sequence. Query rows (sequence, head) of one KV head run in tiles; each
@@ -724,7 +715,7 @@ void shared_prefix(const float* q, const KV* kv, const int32_t* blocks, int64_t 
 }
 #endif
 
-#if defined(__AVX512BF16__)
+#if TM_AVX512_BF16
 // n cache values (a multiple of 32) as bf16: copied, or fp8 widened exactly.
 template <typename KV>
 inline void widen_bf16(const KV* src, int64_t n, uint16_t* dst) {
@@ -740,13 +731,13 @@ inline void widen_bf16(const KV* src, int64_t n, uint16_t* dst) {
 // group, rounded to bf16 as the prompt kernels round them) in tiles over it: AMX tiles of 16
 // where the CPU has them, else AVX512-BF16 tiles of 8. 64 rows x 512 shared positions (W3) was
 // the float32 kernel's 14-20 % of a run; on a 2-core EPYC without AMX a layer's prefix took
-// 0.38 ms there. False where neither can run (the caller keeps the float32 kernel).
+// 0.38 ms there. (Without AVX512-BF16 the caller keeps the float32 kernel.)
 template <typename KV, int D>
 bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int64_t prefix_len,
                         int64_t block_size, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset,
                         float scale, float* out, float* lse, float k_scale, float v_scale) {
   namespace tf = tokenmill_flash;
-  const bool amx = tf::kHasAmx && tf::amx_ready();
+  const bool amx = tm::amx_usable();
   const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * D, rows = num_seqs * group;
   const int64_t head = (prefix_len + tf::kKeys - 1) / tf::kKeys * tf::kKeys * D;
   thread_local std::vector<uint16_t> kflat, vflat, kp, vp, qb;
@@ -768,7 +759,7 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t r = 0; r < rows; ++r) {
       const float* src = q + ((r / group) * num_heads + g * group + r % group) * D;
-      for (int64_t d = 0; d < D; ++d) qb[(g * rows + r) * D + d] = tf::round_bf16(src[d]);
+      for (int64_t d = 0; d < D; ++d) qb[(g * rows + r) * D + d] = tm::f32_to_bf16(src[d]);
     }
   const int64_t tile_rows = amx ? tf::kAmxRows : tf::kRows;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
@@ -778,7 +769,7 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < num_kv_heads * tiles; ++item) {
     const int64_t g = item / tiles, i0 = (item % tiles) * tile_rows;
-    (amx ? tf::attend_tile_amx<D, float> : tf::attend_tile<D, float>)(
+    tf::tile_kernel<D, float>(amx)(
         qd + g * rows * D, D, kd + g * head, vd + g * head, od + g * rows * D, D, 0, i0, std::min(tile_rows, rows - i0),
         prefix_len, scale * k_scale, 0, false, ld + g * rows, rows);
   }
@@ -790,13 +781,7 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
     }
   return true;
 }
-#else
-template <typename KV, int D>
-bool shared_prefix_bf16(const float*, const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                        int64_t, float, float*, float*, float, float) {
-  return false;
-}
-#endif
+#endif  // TM_AVX512_BF16
 
 // The number of leading blocks every sequence's table shares, each sequence keeping its queries
 // after them (starts: query rows [num_seqs + 1]; null: one query a sequence, a decode batch).
@@ -816,7 +801,7 @@ inline int64_t common_blocks(const int32_t* tables, int64_t table_stride, const 
   return shared;
 }
 
-#if defined(__AVX512BF16__)
+#if TM_AVX512_BF16
 // Prompt chunks whose keys are all in the cache (written before the call; a chunk after cached
 // context, or after a prefix other sequences share): chunk s is query rows starts[s] ..
 // starts[s + 1] - 1 of q, at positions lens[s] - n_s + i, attending causally to positions 0 ..
@@ -826,13 +811,14 @@ inline int64_t common_blocks(const int32_t* tables, int64_t table_stride, const 
 // AVX512-BF16 tile over the prefix and on over its own positions in one online softmax — no
 // partial outputs to merge, and the query converted to bf16 (float32 activations) here, not by
 // torch. q and out float32 or (q_bf16) bf16. False on AMX hosts (flash_prefill's AMX tiles win there).
+// (Without AVX512-BF16 it does not exist, and the paged_prefill entries answer -1.)
 template <typename KV, int D>
 bool prefill_bf16(const void* q, int64_t q_stride, bool q_bf16, const KV* kv, const int32_t* tables,
                   int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,
                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t v_offset, float scale,
                   float k_scale, float v_scale) {
   namespace tf = tokenmill_flash;
-  if (tf::kHasAmx && tf::amx_ready()) return false;
+  if (tm::amx_usable()) return false;
   const int64_t row = num_kv_heads * D, group = num_heads / num_kv_heads, qrow = num_heads * D;
   const int64_t prefix = common_blocks(tables, table_stride, lens, starts, num_seqs, block_size) * block_size;
   // Spans of keys: 0 the shared prefix, 1 + s chunk s's own positions [prefix, lens[s]).
@@ -872,7 +858,7 @@ bool prefill_bf16(const void* q, int64_t q_stride, bool q_bf16, const KV* kv, co
     if (!q_bf16) {      // float32 activations: the query rounded to bf16 once
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < starts[num_seqs]; ++i)
-        for (int64_t c = 0; c < qrow; ++c) qd[i * qrow + c] = tf::round_bf16(qf[i * q_stride + c]);
+        for (int64_t c = 0; c < qrow; ++c) qd[i * qrow + c] = tm::f32_to_bf16(qf[i * q_stride + c]);
     } else {
 #pragma omp barrier
     }
@@ -908,13 +894,7 @@ bool prefill_bf16(const void* q, int64_t q_stride, bool q_bf16, const KV* kv, co
   }
   return true;
 }
-#else
-template <typename KV, int D>
-bool prefill_bf16(const void*, int64_t, bool, const KV*, const int32_t*, int64_t, const int32_t*, const int64_t*,
-                  void*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float) {
-  return false;
-}
-#endif
+#endif  // TM_AVX512_BF16
 
 // A decode batch's shared prefix shorter than this is not worth a pass of its own.
 constexpr int64_t kCascadeMinTokens = 128;
@@ -936,7 +916,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
       vd[i] = from_float<KV>(v[s * row + i] / v_scale);
     }
   }
-#if defined(__AVX512F__)
+#if TM_AVX512F
   const int64_t common = window > 0 || (head_size != 64 && head_size != 128)
                              ? 0 : common_blocks(tables, table_stride, lens, nullptr, num_seqs, block_size) * block_size;
   const int64_t prefix = common >= kCascadeMinTokens ? common : 0;
@@ -948,6 +928,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     lse_prefix.resize(n);
     lse_own.resize(n);
     bool on_tiles = false;
+#if TM_AVX512_BF16
     if constexpr (!std::is_same<KV, float>::value)      // bf16 and fp8 caches
       on_tiles = head_size == 64
                      ? shared_prefix_bf16<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads,
@@ -955,6 +936,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
                      : shared_prefix_bf16<KV, 128>(q, kv, tables, prefix, block_size, num_seqs, num_heads,
                                                    num_kv_heads, v_offset, scale, part.data(), lse_prefix.data(),
                                                    k_scale, v_scale);
+#endif
     if (!on_tiles && head_size == 64)
       shared_prefix<KV, 64>(q, kv, tables, prefix, block_size, num_seqs, num_heads, num_kv_heads, v_offset, scale,
                             part.data(), lse_prefix.data(), k_scale, v_scale);
@@ -1020,7 +1002,9 @@ TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
 // [starts[num_seqs], num_heads, head_size] with rows q_stride elements apart, out the same shape
 // contiguous, both float32 (q_bf16 = 0) or bf16; lens [num_seqs]
 // each chunk's sequence length through its last query. Returns 0, or -1 where this build or CPU
-// does not run it (no AVX512-BF16, an AMX host, head sizes other than 64 and 128).
+// does not run it, having touched nothing (an AMX host, head sizes other than 64 and 128, and
+// every call of a build without AVX512-BF16: the caller keeps its flash path).
+#if TM_AVX512_BF16
 #define TOKENMILL_PAGED_PREFILL(NAME, KV)                                                                           \
   int64_t NAME(const void* q, int64_t q_stride, int64_t q_bf16, const KV* kv, const int32_t* tables,                \
                int64_t table_stride, const int32_t* lens, const int64_t* starts, void* out, int64_t num_seqs,       \
@@ -1031,6 +1015,13 @@ TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
     return run && run(q, q_stride, q_bf16 != 0, kv, tables, table_stride, lens, starts, out, num_seqs, num_heads,   \
                       num_kv_heads, block_size, v_offset, scale, k_scale, v_scale) ? 0 : -1;                        \
   }
+#else
+#define TOKENMILL_PAGED_PREFILL(NAME, KV)                                                                           \
+  int64_t NAME(const void*, int64_t, int64_t, const KV*, const int32_t*, int64_t, const int32_t*, const int64_t*,   \
+               void*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, float) {                  \
+    return -1;   /* refused: no AVX512-BF16 in this build */                                                        \
+  }
+#endif
 TOKENMILL_PAGED_PREFILL(paged_prefill_bf16kv, uint16_t)
 TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e4m3, E4M3)
 TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e5m2, E5M2)
