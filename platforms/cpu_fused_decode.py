@@ -132,6 +132,8 @@ class FusedDecodeProgram(DecodeProgram):
 # (platforms/interface.py LayerStructure): pre-norm RMSNorm with plain weights, rotate-half rope over
 # the whole head, per-layer sliding windows and q/k norms, a SiLU-gated dense FFN, biases.
 NATIVE_LAYER = LLAMA_LAYER
+# Values besides NATIVE_LAYER's that the native step also runs.
+ALSO_NATIVE = {"qk_norm": ("head",)}
 
 
 def outside_vocabulary(spec: DecoderStackSpec) -> list[str]:
@@ -141,7 +143,7 @@ def outside_vocabulary(spec: DecoderStackSpec) -> list[str]:
     for i, layer in enumerate(spec.layers):
         for f in dataclasses.fields(LayerStructure):
             value = getattr(layer.structure, f.name)
-            if value != getattr(NATIVE_LAYER, f.name):
+            if value != getattr(NATIVE_LAYER, f.name) and value not in ALSO_NATIVE.get(f.name, ()):
                 found.setdefault(f"{f.name} {value}", []).append(i)
     out = [f"layers {_ranges(layers)}: {what}" for what, layers in found.items()]
     if spec.embedding_scale != 1.0:

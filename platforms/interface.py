@@ -115,8 +115,11 @@ class LayerStructure:
     attn_logit_softcap: Optional[float] = None
     attention_sinks: bool = False      # a learned per-head logit in the softmax's denominator
     activation: str = "silu"           # the gated FFN's activation: "silu" | "gelu_tanh" | "gelu"
-    ffn: str = "dense"                 # "dense" (gate_up / down) | "moe"
+    ffn: str = "dense"                 # "dense" (gated: gate_up / down) | "plain" (up / down) | "moe"
     parallel_block: bool = False       # attention and FFN read the same normed input (Cohere, GPT-J)
+    residual_scale: float = 1.0        # each block's output times this before the residual add (Granite)
+    qk_norm: str = "none"              # "none" | "head" (RMSNorm per head, Qwen3) | "projection" (OLMo 2)
+    rope_table: str = "default"        # which of the model's rope tables: a layer type's own (Gemma 3)
 
 
 LLAMA_LAYER = LayerStructure()
@@ -129,8 +132,8 @@ class DecoderLayerSpec:
     gate_up(norm(x)). Linear layers are the core's (`weight` [N, K], `bias`, `quant_method` with the
     quantization interface); `attention` is the core's attention layer (`impl`: the backend,
     `kv_cache`, `scale`, `sliding_window` per layer)."""
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    input_norm: Optional[torch.Tensor]         # before attention (None: the placement has none)
+    post_norm: Optional[torch.Tensor]          # before the FFN
     qkv: Any
     o: Any
     gate_up: Any
@@ -139,6 +142,8 @@ class DecoderLayerSpec:
     q_norm: Optional[torch.Tensor] = None      # per-head RMSNorm of q and k before rope (Qwen3)
     k_norm: Optional[torch.Tensor] = None
     structure: LayerStructure = LLAMA_LAYER
+    attn_out_norm: Optional[torch.Tensor] = None   # on attention's output (post / sandwich placements)
+    ffn_out_norm: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -161,6 +166,7 @@ class DecoderStackSpec:
     embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     embedding_scale: float = 1.0             # embeddings times this (Gemma: sqrt(hidden))
     final_logit_softcap: Optional[float] = None   # applied by the model's compute_logits
+    logit_scale: float = 1.0                      # likewise (Granite 1 / logits_scaling, Cohere)
 
 
 @dataclass

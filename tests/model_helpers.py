@@ -224,3 +224,43 @@ def decode_batch(lens: list[int], shared_blocks: int = 0, bs: int = 16, num_bloc
         slot_mapping=torch.tensor(slots), num_decodes=len(lens), max_query_len=1, max_seq_len=max(lens),
         block_size=bs, query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
     return tables, meta
+
+
+# Greedy agreement with transformers on random-weight checkpoints it writes itself.
+def save_random_checkpoint(model_type: str, config_kwargs: dict, directory: str, vocab_size: int = 1000,
+                           seed: int = 0):
+    """A random-weight transformers model of `model_type` saved with a tokenizer; the float32 model."""
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **config_kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():             # away from init's near-constant outputs, so tokens tell layers apart
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(directory)
+    tiny_tokenizer(vocab_size).save_pretrained(directory)
+    return model
+
+
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int = 10) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = 10):
+    from tokenmill.core.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def make_llm(path, **kwargs):
+    from tokenmill.entrypoints.llm import LLM
+    args = dict(model=str(path), dtype="float32", device="cpu", num_threads=1, block_size=16,
+                max_num_batched_tokens=32, kv_cache_memory=16 << 20, generation_config="none")
+    args.update(kwargs)
+    return LLM(**args)

@@ -29,8 +29,11 @@ pytestmark = pytest.mark.skipif(native.NativeHeadKernel.available("bf16") is not
 class BiasedQkNormForCausalLM(LlamaForCausalLM):
     """A family that exists nowhere: Qwen2's q/k/v biases with Qwen3's per-head q/k norms and a
     sliding window on every other layer, said in the existing layer vocabulary and nothing else."""
-    qkv_bias = True
-    qk_norm = True
+    qk_norm = "head"
+
+    @classmethod
+    def qkv_bias(cls, config) -> bool:
+        return True
 
 
 class GeluSpecForCausalLM(BiasedQkNormForCausalLM):

@@ -10,7 +10,8 @@ import logging
 import pytest
 import torch
 
-from model_helpers import hf_last_logits, load_for_test, run_prompt, save_tiny_checkpoint, tiny_tokenizer
+from model_helpers import (generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt,
+                           save_random_checkpoint, save_tiny_checkpoint)
 
 from tokenmill.core.models.registry import resolve_model_class
 from tokenmill.core.models.transformers_impl import TransformersForCausalLM
@@ -38,41 +39,7 @@ MAX_TOKENS = 10
 
 
 def save_checkpoint(model_type: str, directory: str, seed: int = 0):
-    """A random-weight transformers model of `model_type` saved with a tokenizer; the float32 model."""
-    import transformers
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(model_type, **ARCHS[model_type])
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():             # away from init's near-constant outputs, so tokens tell layers apart
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(directory)
-    tiny_tokenizer(VOCAB).save_pretrained(directory)
-    return model
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            out.append(ids[0, len(p):].tolist())
-    return out
-
-
-def generate(llm, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
-    from tokenmill.core.sampling_params import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def make_llm(path, **kwargs):
-    from tokenmill.entrypoints.llm import LLM
-    args = dict(model=str(path), dtype="float32", device="cpu", num_threads=1, block_size=16,
-                max_num_batched_tokens=32, kv_cache_memory=16 << 20, generation_config="none")
-    args.update(kwargs)
-    return LLM(**args)
+    return save_random_checkpoint(model_type, ARCHS[model_type], directory, VOCAB, seed)
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))

@@ -38,6 +38,7 @@ class Linear(nn.Module):
         if parallel not in (None, "column", "row"):
             raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
         self.parallel = parallel
+        self.checkpoint_sizes = full_sizes          # the output shards as a checkpoint stores them
         self.tp_rank, self.tp_size = (tp_rank(), tp_size()) if parallel else (0, 1)
         # (checkpoint offset, rows) of each output shard held here: the loader narrows to it.
         if parallel == "column" and shard_slices is not None:

@@ -1,4 +1,6 @@
-"""RMSNorm with the HF numerics: normalize in float32, cast back, then scale in the model dtype.
+"""RMSNorm and LayerNorm with the HF numerics. RMSNorm normalizes in float32, casts back, then
+scales in the model dtype; with `offset` (Gemma's `(1 + w)`) it scales in float32 and rounds once,
+as Gemma's own norm does. LayerNorm (Cohere, StarCoder2) runs in float32 and rounds once.
 
 `F.rms_norm` on a half-precision input accumulates in float32 and rounds once, which is
 bit-identical to HF's explicit `x.float() ... .to(dtype)` (tests/test_models.py checks it)
@@ -16,10 +18,12 @@ from .params import plain_parameter
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: Optional[torch.dtype] = None,
+                 offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.hidden_size = hidden_size
+        self.offset = offset
         self.weight = plain_parameter(hidden_size, dtype=dtype)
         self._kernel = None
 
@@ -29,16 +33,42 @@ class RMSNorm(nn.Module):
         self._kernel = kernel
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            normed = F.rms_norm(x.float(), (self.hidden_size,), eps=self.eps)
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
         # The weight is applied after rounding to the input dtype, exactly where HF applies it.
         return F.rms_norm(x, (self.hidden_size,), eps=self.eps) * self.weight
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual) — the
         pre-norm decoder's residual add folded into the next norm."""
-        if self._kernel is not None:
+        if self._kernel is not None and not self.offset:     # the platform's kernel scales by w
             out = self._kernel(x, residual, self.weight, self.eps)
             if out is not NotImplemented:
                 return out
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class LayerNorm(nn.Module):
+    """Mean-centred LayerNorm, with or without a bias, in float32; the same (x, residual) contract
+    as RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: Optional[torch.dtype] = None,
+                 bias: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = plain_parameter(hidden_size, dtype=dtype)
+        self.bias = plain_parameter(hidden_size, dtype=dtype) if bias else None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), (self.hidden_size,), self.weight.float(), bias, self.eps).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None:
             return self._norm(x)
         residual = x + residual

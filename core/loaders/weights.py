@@ -50,6 +50,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
     # A tied parameter is listed once, under its first name; checkpoints may store the other
     # copy too (lm_head.weight of a tied embedding), which adds nothing.
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    modules = dict(model.named_modules())
     loaded: set[tuple[str, Optional[Any]]] = set()
     # A model may name checkpoint tensors its own way (a prefix the checkpoint lacks; None: not a weight here).
     rename = getattr(model, "checkpoint_name", None)
@@ -68,16 +69,29 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
         loader = getattr(param, "weight_loader", default_weight_loader)
         if hasattr(tensor, "materialize") and not getattr(loader, "narrows_lazily", False):
             tensor = tensor.materialize()         # a lazy checkpoint slice (hf.LazySlice): read it whole
-        try:
-            loader(param, tensor, shard_id)
-        except ValueError as exc:
-            raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
-        loaded.add((target, shard_id))
+        for part, part_id in _shards(modules.get(target.rpartition(".")[0]), tensor, shard_id):
+            try:
+                loader(param, part, part_id)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
+            loaded.add((target, part_id))
     missing = [name if shard_id is None else f"{name}[{shard_id}]"
                for name, shard_id in _expected(params, packed) if (name, shard_id) not in loaded]
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+
+
+def _shards(module: Optional[nn.Module], tensor: Any, shard_id: Optional[Any]) -> list[tuple[Any, Optional[Any]]]:
+    """A checkpoint that stores a fused module whole (Phi-3's qkv_proj and gate_up_proj, GLM-4's
+    gate_up_proj) is split into the module's output shards, so each lands where tensor parallelism
+    and quantized packings expect it."""
+    sizes = getattr(module, "checkpoint_sizes", None)
+    if shard_id is not None or not sizes or len(sizes) < 2 or getattr(tensor, "shape", (0,))[0] != sum(sizes):
+        return [(tensor, shard_id)]
+    if hasattr(tensor, "materialize"):
+        tensor = tensor.materialize()
+    return [(part, i) for i, part in enumerate(torch.split(tensor, sizes, dim=0))]
 
 
 @torch.no_grad()

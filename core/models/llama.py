@@ -1,8 +1,6 @@
-"""The Llama decoder family (Llama 2/3, SmolLM2, Mistral); Qwen2/Qwen3 subclass it.
-
-Runs on a flat batch: input_ids/positions are [T] over all scheduled tokens of all sequences;
-the attention backend sorts out which token attends to which through attn_metadata.
-"""
+"""The Llama decoder family (Llama 2/3, SmolLM2, Mistral) and the model contract every dense family
+keeps: the network is core/models/decoder.py's, the other families subclass this class and state
+where they differ (core/models/families.py; Qwen2 and Qwen3 in their own files)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Optional
@@ -11,164 +9,16 @@ import torch
 from torch import nn
 
 from tokenmill.attention_backends.interface import AttentionConfig
-from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec
+from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec, LayerStructure
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
-from .. import distributed
-from ..layers.activation import SiluAndMul
+from ..layers.activation import activation_kind
 from ..layers.attention import Attention
-from ..layers.embedding import LMHead, VocabEmbedding
-from ..layers.linear import Linear
-from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, get_rope
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _sliding_window(config: Any, layer_idx: int) -> Optional[int]:
-    """The layer's attention window, or None for full attention."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    if getattr(config, "use_sliding_window", True) is False:   # Qwen2 keeps a window it does not use
-        return None
-    max_window_layers = getattr(config, "max_window_layers", None)
-    if max_window_layers is not None and layer_idx >= max_window_layers:
-        return None
-    return window
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
-                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 quant_method: QuantizationMethod) -> None:
-        super().__init__()
-        total_heads = config.num_attention_heads
-        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_dim = d = _head_dim(config)
-        # Tensor parallelism: each rank holds 1/tp of the query heads and the KV heads they read
-        # (one KV head replicated over tp/num_kv ranks when there are fewer KV heads than ranks).
-        rank, tp = distributed.tp_rank(), distributed.tp_size()
-        self.num_heads = total_heads // tp
-        self.num_kv_heads = max(1, total_kv_heads // tp)
-        first_kv = rank * total_kv_heads // tp if total_kv_heads < tp else rank * self.num_kv_heads
-        self.q_size = self.num_heads * d
-        self.kv_size = self.num_kv_heads * d
-        kv_slice = (first_kv * d, self.kv_size)
-        self.qkv_proj = Linear(config.hidden_size, [total_heads * d, total_kv_heads * d, total_kv_heads * d],
-                               bias=qkv_bias, dtype=dtype, quant_method=quant_method, parallel="column",
-                               shard_slices=[(rank * self.q_size, self.q_size), kv_slice, kv_slice])
-        self.o_proj = Linear(total_heads * d, config.hidden_size, bias=o_bias, dtype=dtype, quant_method=quant_method,
-                             parallel="row")
-        self.rotary_emb = rotary
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads,
-                              attn_backend_cls, sliding_window=_sliding_window(config, layer_idx),
-                              kv_cache_dtype=kv_cache_dtype)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata) -> torch.Tensor:
-        t = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        # q and k are adjacent in the fused output: rotate them as one [T, H + Hkv, D] tensor.
-        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        qk = self.rotary_emb(positions, qk)
-        q = qk[:, :self.num_heads].flatten(1)
-        k = qk[:, self.num_heads:].flatten(1)
-        v = qkv[:, self.q_size + self.kv_size:]
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, bias: bool, quant_method: QuantizationMethod) -> None:
-        super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"activation {act!r} is not supported (only silu)")
-        self.gate_up_proj = Linear(config.hidden_size, [config.intermediate_size] * 2, bias=bias, dtype=dtype,
-                                   quant_method=quant_method, parallel="column")
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias, dtype=dtype,
-                                quant_method=quant_method, parallel="row")
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding, attn_backend_cls: type,
-                 dtype: torch.dtype, kv_cache_dtype: str, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 quant_method: QuantizationMethod) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary, attn_backend_cls, dtype, kv_cache_dtype,
-                                        qkv_bias, o_bias, qk_norm, quant_method)
-        self.mlp = LlamaMLP(config, dtype, bool(getattr(config, "mlp_bias", False)), quant_method)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
-                attn_metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attn_backend_cls: type, dtype: torch.dtype, kv_cache_dtype: str,
-                 qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_method: QuantizationMethod) -> None:
-        super().__init__()
-        # Pipeline parallelism: this stage builds only its layers (the others are PPMissingLayer,
-        # holding nothing); the first stage embeds, the last one applies the final norm.
-        state = distributed.get_state()
-        self.start_layer, self.end_layer = distributed.stage_layers(config.num_hidden_layers, state.pp_rank,
-                                                                    state.pp_size)
-        self.is_first_stage, self.is_last_stage = state.is_first_stage, state.is_last_stage
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype) \
-            if self.is_first_stage else PPMissingLayer()
-        # One cos/sin table shared by every layer.
-        rotary = get_rope(config, _head_dim(config), config.max_position_embeddings, dtype)
-        self.rotary_emb = rotary
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, qk_norm,
-                              quant_method) if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if self.is_last_stage else PPMissingLayer()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata,
-                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The final hidden states; at a pipeline stage that is not the last, [2, T, H] hidden and
-        residual for the next stage, which passes them back in as `intermediate`."""
-        self.rotary_emb.new_forward()
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            hidden, residual = intermediate[0], intermediate[1]
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        if not self.is_last_stage:
-            return torch.stack((hidden, residual))
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-
-class PPMissingLayer(nn.Identity):
-    """A layer another pipeline stage holds: no parameters here (the loader skips its weights)."""
+from ..layers.embedding import LMHead
+from ..layers.norm import LayerNorm, RMSNorm
+from ..layers.rotary import is_per_layer_type, rope_parameters
+from .decoder import DecoderModel, PPMissingLayer, head_dim, layer_type, sliding_window
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,16 +26,27 @@ class LlamaForCausalLM(nn.Module):
     kv_cache_dtype, quant_method); `attention_config(...)` before building (the backend is chosen
     from it); `packed_modules_mapping` and per-parameter weight loaders for the generic loader
     (core/loaders/weights.py); `attention_layers`, forward(input_ids, positions, attn_metadata)
-    and compute_logits(hidden) for the model runner."""
-    # Per-architecture switches the subclasses flip; None = read from the config.
-    qkv_bias: Optional[bool] = None
-    o_bias: Optional[bool] = None
-    qk_norm: bool = False
+    and compute_logits(hidden) for the model runner; `decoder_stack()` for decode programs.
+
+    Its switches and config readings are Llama's; every other dense family is a subclass that
+    overrides where it differs (core/models/families.py)."""
+    # What is fixed for the family.
+    norm_kind: ClassVar[str] = "rms"               # "rms" | "layer" (LayerNorm with bias) | "layer_nobias"
+    norm_offset: ClassVar[float] = 0.0             # Gemma's (1 + w)
+    norm_placement: ClassVar[str] = "pre"          # see NORM_SLOTS
+    norm_names: ClassVar[dict[str, str]] = {}      # slot -> checkpoint name, where the family renames one
+    qk_norm: ClassVar[str] = "none"                # "none" | "head" (per head, Qwen3) | "projection" (OLMo 2)
+    interleaved_rope: ClassVar[bool] = False       # GPT-J pairs (GLM, Cohere) instead of rotate-half
+    parallel_block: ClassVar[bool] = False
+    ffn: ClassVar[str] = "dense"                   # "dense" (gated) | "plain"
+    plain_mlp_names: ClassVar[tuple[str, str]] = ("up_proj", "down_proj")
     # Our fused module -> the HF tensors it is loaded from, with each one's output shard.
     packed_modules_mapping: ClassVar[dict[str, list[tuple[str, int]]]] = {
         "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
+    # LoRA targets that are one unfused layer each (the fused ones come from packed_modules_mapping).
+    lora_plain_modules: ClassVar[tuple[str, ...]] = ("o_proj", "down_proj")
     # Checkpoint tensors that are not weights here (older HF checkpoints store the rope table).
     ignored_weights: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
     # What `tokenmill models` lists (core/models/features.py): (supported, how / why not).
@@ -194,10 +55,76 @@ class LlamaForCausalLM(nn.Module):
         "pp": (True, "contiguous layers per stage"),
         "lora": (True, "q/k/v/o and gate/up/down adapters"),
         "quantization": (True, "every registered method the platform offers; GGUF files"),
-        "fast_path": (True, "decoder_stack(): the cpu platform's fused decode step"),
+        "fast_path": (True, "decoder_stack(): the platform's decode program"),
         "sliding_window": (True, "per layer (Mistral, Qwen2 max_window_layers, layer_types)"),
         "pooling": (True, "runner='pooling': LAST/MEAN pooling of the final hidden states"),
     }
+
+    # What the family's HF config decides (Llama's reading by default).
+    @classmethod
+    def qkv_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def o_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @classmethod
+    def mlp_bias(cls, config: Any) -> bool:
+        return bool(getattr(config, "mlp_bias", False))
+
+    @classmethod
+    def attention_scale(cls, config: Any) -> float:
+        return head_dim(config) ** -0.5
+
+    @classmethod
+    def attn_softcap(cls, config: Any) -> Optional[float]:
+        return None
+
+    @classmethod
+    def embedding_scale(cls, config: Any) -> float:
+        return 1.0
+
+    @classmethod
+    def final_logit_softcap(cls, config: Any) -> Optional[float]:
+        return None
+
+    @classmethod
+    def logit_scale(cls, config: Any) -> float:
+        return 1.0
+
+    @classmethod
+    def uses_rope(cls, config: Any, layer_idx: int) -> bool:
+        return True
+
+    @classmethod
+    def activation(cls, config: Any) -> str:
+        return activation_kind(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
+
+    @classmethod
+    def residual_scale(cls, config: Any) -> float:
+        return 1.0
+
+    @classmethod
+    def layer_structure(cls, config: Any, layer_idx: int) -> LayerStructure:
+        """Layer `layer_idx` in the shared vocabulary, from the family's switches and its config."""
+        partial = float(rope_parameters(config)["partial_rotary_factor"])
+        kind = layer_type(config, layer_idx)
+        return LayerStructure(
+            norm=cls.norm_kind, norm_offset=cls.norm_offset, norm_placement=cls.norm_placement,
+            rotary=("gptj" if cls.interleaved_rope else "neox") if cls.uses_rope(config, layer_idx) else "none",
+            rotary_dim=None if partial == 1.0 else int(head_dim(config) * partial),
+            rope_table=kind if kind and is_per_layer_type(getattr(config, "rope_parameters", None)) else "default",
+            attn_logit_softcap=cls.attn_softcap(config), activation=cls.activation(config), ffn=cls.ffn,
+            parallel_block=cls.parallel_block, residual_scale=cls.residual_scale(config),
+            qk_norm=cls.qk_norm)
+
+    @classmethod
+    def make_norm(cls, config: Any, size: int, dtype: torch.dtype) -> nn.Module:
+        if cls.norm_kind == "rms":
+            return RMSNorm(size, getattr(config, "rms_norm_eps", 1e-6), dtype, offset=cls.norm_offset)
+        eps = getattr(config, "layer_norm_eps", None) or getattr(config, "norm_epsilon", None) or 1e-5
+        return LayerNorm(size, eps, dtype, bias=cls.norm_kind == "layer")
 
     def __init__(self, hf_config: Any, attn_backend_cls: type, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", quant_method: Optional[QuantizationMethod] = None) -> None:
@@ -205,11 +132,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.dtype = dtype
         quant_method = quant_method or UnquantizedLinearMethod()
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(hf_config, attn_backend_cls, dtype, kv_cache_dtype, qkv_bias, o_bias, self.qk_norm,
-                                quant_method)
+        self.model = DecoderModel(hf_config, type(self), attn_backend_cls, dtype, kv_cache_dtype, quant_method)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         stage = self.model
         # A tied head on a last stage that is not the first loads its own copy (of embed_tokens).
@@ -217,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype,
                               tied_to=stage.embed_tokens if tied else None,
                               quant_method=quant_method.lm_head_method()) if stage.is_last_stage else PPMissingLayer()
+        self.final_softcap = self.final_logit_softcap(hf_config)
+        self.output_scale = self.logit_scale(hf_config)
         self.attention_layers: list[Attention] = [layer.self_attn.attn
                                                   for layer in stage.layers[stage.start_layer:stage.end_layer]]
 
@@ -225,13 +150,13 @@ class LlamaForCausalLM(nn.Module):
                          block_size: int = 16, graph_capture: str = "none", device: str = "cpu") -> AttentionConfig:
         """What the attention layers will ask of a backend, known before the model is built. With
         a window on only some layers, the window: the backend must support it for those."""
-        windows = {_sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
+        windows = {sliding_window(hf_config, i) for i in range(hf_config.num_hidden_layers)} - {None}
         num_heads = hf_config.num_attention_heads
         return AttentionConfig(
-            head_size=_head_dim(hf_config), num_heads=num_heads,
+            head_size=head_dim(hf_config), num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads, dtype=dtype,
             kv_cache_dtype=kv_cache_dtype, block_size=block_size, sliding_window=max(windows, default=None),
-            logits_soft_cap=None, graph_capture=graph_capture, device=device)
+            logits_soft_cap=cls.attn_softcap(hf_config), graph_capture=graph_capture, device=device)
 
     def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor, attn_metadata,
                 intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -255,23 +180,34 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.output_scale != 1.0:
+            logits = logits * self.output_scale
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
     def decoder_stack(self) -> DecoderStackSpec:
-        """This network as a platform's fused decode step reads it (platforms/interface.py)."""
+        """This network as a platform's decode program reads it (platforms/interface.py)."""
         model, attn0 = self.model, self.model.layers[0].self_attn
+
+        def weight(norm: Optional[nn.Module]) -> Optional[torch.Tensor]:
+            return norm.weight if norm is not None else None
+
         layers = [DecoderLayerSpec(
-            input_norm=layer.input_layernorm.weight, post_norm=layer.post_attention_layernorm.weight,
-            qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.gate_up_proj,
-            down=layer.mlp.down_proj, attention=layer.self_attn.attn,
-            q_norm=layer.self_attn.q_norm.weight if layer.self_attn.q_norm is not None else None,
-            k_norm=layer.self_attn.k_norm.weight if layer.self_attn.k_norm is not None else None)
+            input_norm=weight(layer.norm("attn_in")), post_norm=weight(layer.norm("ffn_in")),
+            attn_out_norm=weight(layer.norm("attn_out")), ffn_out_norm=weight(layer.norm("ffn_out")),
+            qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.up,
+            down=layer.mlp.down, attention=layer.self_attn.attn,
+            q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm), structure=layer.structure)
             for layer in model.layers]
         return DecoderStackSpec(
             embedding=model.embed_tokens.weight, final_norm=model.norm.weight, eps=float(model.norm.eps),
             cos_sin=model.rotary_emb.cos_sin_cache, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
             head_size=attn0.head_dim, hidden_size=self.config.hidden_size,
-            intermediate_size=self.config.intermediate_size, layers=layers, embed=model.embed_tokens)
+            intermediate_size=self.config.intermediate_size, layers=layers, embed=model.embed_tokens,
+            embedding_scale=model.embedding_scale, final_logit_softcap=self.final_softcap,
+            logit_scale=self.output_scale)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

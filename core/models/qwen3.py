@@ -5,4 +5,4 @@ from .llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    qk_norm = "head"

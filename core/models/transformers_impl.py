@@ -30,7 +30,7 @@ from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..layers.attention import Attention
-from .llama import _sliding_window
+from .decoder import sliding_window as _sliding_window
 
 logger = logging.getLogger("tokenmill.models.transformers")
 

@@ -1,0 +1,185 @@
+"""The native dense families (core/models/families.py over core/models/decoder.py): random-weight
+checkpoints that transformers writes for each, greedy tokens identical to transformers' float32
+`generate` on prompts longer than their sliding windows (chunked prefill, mixed batches, a second
+pass from the prefix cache), logits close, through the server with the openai SDK, and what each
+family's vocabulary entries do (soft-caps, windows, NoPE layers, partial/GPT-J rotary, scalings)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt, save_random_checkpoint
+
+from tokenmill.core.models.transformers_impl import TransformersForCausalLM
+
+VOCAB = 1000
+SPECIAL = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, **SPECIAL)
+WINDOW = dict(sliding_window=8)            # shorter than every prompt below
+# Tiny configs of every native family; where a family has switches, the non-default ones.
+FAMILIES = {
+    "gemma2": dict(DIMS, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, **WINDOW),
+    "gemma3_text": dict(DIMS, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=5.0,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                            "rope_theta": 1000000.0}}, **WINDOW),
+    "phi3": dict(DIMS, partial_rotary_factor=0.5, tie_word_embeddings=False),
+    "olmo2": dict(DIMS),
+    "olmo3": dict(DIMS, **WINDOW),
+    "granite": dict(DIMS, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.0),
+    "glm": dict(DIMS, head_dim=16, attention_bias=True),
+    "glm4": dict(DIMS, head_dim=16, attention_bias=True),
+    "cohere2": dict(DIMS, logit_scale=0.5, layer_types=["sliding_attention", "full_attention"] * 2, **WINDOW),
+    "exaone4": dict(DIMS, layer_types=["sliding_attention", "full_attention"] * 2, **WINDOW),
+    "smollm3": dict(DIMS, no_rope_layers=[1, 1, 0, 1]),
+    "starcoder2": dict(DIMS, use_bias=True, **WINDOW),
+    "seed_oss": dict(DIMS, head_dim=16, attention_bias=True, attention_out_bias=True),
+    "apertus": dict(DIMS),
+}
+ARCHITECTURES = {
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
+    "glm4": "Glm4ForCausalLM", "cohere2": "Cohere2ForCausalLM", "exaone4": "Exaone4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+    "apertus": "ApertusForCausalLM",
+}
+# Mixed lengths over 16-token blocks and 32-token prefill chunks, all longer than the window.
+PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in enumerate((45, 11, 23, 33))]
+
+
+def save_family(model_type: str, directory, seed: int = 0):
+    return save_random_checkpoint(model_type, FAMILIES[model_type], str(directory), VOCAB, seed)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_greedy_matches_transformers(tmp_path, model_type):
+    hf = save_family(model_type, tmp_path)
+    expected = hf_greedy(hf, PROMPTS)
+    llm = make_llm(tmp_path)                               # model_impl="auto": the native class
+    model = llm.engine.bundle.model
+    assert not isinstance(model, TransformersForCausalLM)
+    assert type(model).__name__ == ARCHITECTURES[model_type]
+    first = generate(llm, PROMPTS)
+    assert [list(o.outputs[0].token_ids) for o in first] == expected
+    second = generate(llm, PROMPTS)                        # full blocks from the prefix cache
+    assert [list(o.outputs[0].token_ids) for o in second] == expected
+    assert second[0].num_cached_tokens >= 32
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, model_type):
+    hf = save_family(model_type, tmp_path, seed=1)
+    model = load_for_test(tmp_path).model
+    torch.testing.assert_close(run_prompt(model, PROMPTS[0]), hf_last_logits(hf, PROMPTS[0]), atol=2e-4, rtol=2e-4)
+
+
+def test_vocabulary_entries_reach_the_layers(tmp_path):
+    """What each family declares lands where the attention backend and the decode program read it."""
+    save_family("gemma3_text", tmp_path / "gemma3")
+    model = load_for_test(tmp_path / "gemma3").model
+    assert [a.sliding_window for a in model.attention_layers] == [8, None, 8, None]
+    assert model.attention_layers[0].scale == 16 ** -0.5
+    spec = model.decoder_stack()
+    assert [layer.structure.rope_table for layer in spec.layers] == ["sliding_attention", "full_attention"] * 2
+    assert {layer.structure.norm_offset for layer in spec.layers} == {1.0}
+    assert spec.embedding_scale == 8.0 and spec.final_logit_softcap == 5.0
+
+    save_family("gemma2", tmp_path / "gemma2")
+    model = load_for_test(tmp_path / "gemma2").model
+    assert all(a.impl.logits_soft_cap == 2.0 for a in model.attention_layers)
+    assert run_prompt(model, PROMPTS[0]).abs().max() <= 3.0          # the final soft-cap
+
+    save_family("smollm3", tmp_path / "smollm3")
+    spec = load_for_test(tmp_path / "smollm3").model.decoder_stack()
+    assert [layer.structure.rotary for layer in spec.layers] == ["neox", "neox", "none", "neox"]
+
+    save_family("glm4", tmp_path / "glm4")
+    spec = load_for_test(tmp_path / "glm4").model.decoder_stack()
+    assert {(layer.structure.rotary, layer.structure.rotary_dim) for layer in spec.layers} == {("gptj", 8)}
+    assert all(layer.attn_out_norm is not None and layer.ffn_out_norm is not None for layer in spec.layers)
+
+
+def test_fused_checkpoint_tensors_split_over_tensor_parallel_shards(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused: the loader splits them into the layer's shards, so a
+    rank's slice is its heads' rows, not the first rows of the fused tensor."""
+    from tokenmill.core.loaders.weights import _shards
+    from tokenmill.core.layers.linear import Linear
+
+    layer = Linear(64, [64, 32, 32])
+    fused = torch.arange(128 * 64, dtype=torch.float32).view(128, 64)
+    parts = _shards(layer, fused, None)
+    assert [part_id for _, part_id in parts] == [0, 1, 2]
+    assert [tuple(p.shape) for p, _ in parts] == [(64, 64), (32, 64), (32, 64)]
+    assert torch.equal(parts[1][0], fused[64:96])
+    apart = fused[:64]                                             # a checkpoint that stores them apart
+    [(part, part_id)] = _shards(layer, apart, 0)
+    assert part is apart and part_id == 0
+
+
+def test_families_listed_as_native(tmp_path):
+    from tokenmill.core.models.features import architecture_rows
+    rows = {row["name"]: row for row in architecture_rows()}
+    for name in ARCHITECTURES.values():
+        assert rows[name]["implementation"] == "native" and rows[name]["state"] == "loaded", name
+    assert rows["Gemma2ForCausalLM"]["features"]["fast_path"]["supported"] is False
+    assert "sandwich" in rows["Gemma2ForCausalLM"]["features"]["fast_path"]["detail"]
+    assert rows["Olmo2ForCausalLM"]["features"]["tp"]["supported"] is False
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
+def test_server_answers_as_transformers(tmp_path, model_type):
+    """`tokenmill serve DIR` through the openai SDK: transformers' greedy tokens."""
+    import openai
+
+    from tokenmill.entrypoints.openai.testing import ServerProcess
+    hf = save_family(model_type, tmp_path)
+    prompts = PROMPTS[:2]
+    expected = hf_greedy(hf, prompts)
+    args = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
+            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt, want in zip(prompts, expected):
+            out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "gemma3_text", "starcoder2"])
+def test_tp2_matches_transformers(tmp_path, model_type):
+    """At tensor_parallel_size=2 each rank loads its heads' rows of Phi-3's fused q/k/v and gate/up,
+    Gemma 3's sandwich norms and q/k norms, StarCoder2's biased plain MLP: transformers' tokens."""
+    hf = save_family(model_type, tmp_path)
+    prompts = PROMPTS[:2]
+    expected = hf_greedy(hf, prompts)
+    llm = make_llm(tmp_path, tensor_parallel_size=2)
+    try:
+        assert [list(o.outputs[0].token_ids) for o in generate(llm, prompts)] == expected
+    finally:
+        llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("model_type,targets", [
+    ("gemma3_text", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("starcoder2", ["q_proj", "v_proj", "o_proj", "c_fc", "c_proj"]),
+])
+def test_lora_adapter_matches_peft(tmp_path, model_type, targets):
+    """A PEFT adapter on a family's own module names (StarCoder2's c_fc / c_proj): peft's greedy tokens."""
+    from lora_helpers import make_adapter
+
+    from tokenmill.core.lora.request import LoRARequest
+    base = save_family(model_type, tmp_path / "base")
+    peft_model = make_adapter(str(tmp_path / "base"), str(tmp_path / "adapter"), seed=7, targets=targets)
+    prompts = PROMPTS[:2]
+    expected = hf_greedy(peft_model, prompts)
+    assert expected != hf_greedy(base, prompts)                      # the adapter changes the tokens
+    llm = make_llm(tmp_path / "base", enable_lora=True, max_lora_rank=8)
+    from tokenmill.core.sampling_params import SamplingParams
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
