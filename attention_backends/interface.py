@@ -57,6 +57,9 @@ class AttentionMetadata:
     # False: every query token attends to every token of its sequence (encoders, e.g. BERT). Only
     # backends with supports_non_causal are chosen for such models; their prompt runs in one step.
     causal: bool = True
+    # Hybrid KV (core/kv_groups.py): the batch once per layer group, with that group's block_tables
+    # and slot_mapping; each attention layer reads its group's. None: one group, this metadata.
+    groups: Optional[list["AttentionMetadata"]] = None
 
     @property
     def num_seqs(self) -> int:
@@ -82,6 +85,7 @@ class AttentionConfig:
     block_size: int = 16
     sliding_window: Optional[int] = None
     logits_soft_cap: Optional[float] = None
+    attention_sinks: bool = False          # a learned per-head logit in the softmax (GPT-OSS)
     graph_capture: str = "none"           # "none", "torch.compile", "cuda_graphs", "xla"
     device: str = "cpu"
     causal: bool = True                   # False: bidirectional attention (encoder models)
@@ -99,6 +103,7 @@ class AttentionBackend:
     supports_gqa: ClassVar[bool] = True
     supports_sliding_window: ClassVar[bool] = False
     supports_logits_soft_cap: ClassVar[bool] = False
+    supports_attention_sinks: ClassVar[bool] = False
     supports_non_causal: ClassVar[bool] = False        # honours AttentionMetadata.causal=False
     supported_graph_modes: ClassVar[tuple[str, ...]] = ("none",)
 
@@ -134,6 +139,8 @@ class AttentionBackend:
             reasons.append("sliding window not supported")
         if config.logits_soft_cap is not None and not cls.supports_logits_soft_cap:
             reasons.append("logits soft-cap not supported")
+        if config.attention_sinks and not cls.supports_attention_sinks:
+            reasons.append("attention sinks not supported")
         if not config.causal and not cls.supports_non_causal:
             reasons.append("non-causal (bidirectional) attention not supported")
         if config.graph_capture not in cls.supported_graph_modes:

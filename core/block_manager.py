@@ -1,6 +1,11 @@
 """Paged KV-cache bookkeeping: a pool of fixed-size blocks, per-sequence block tables,
 reference counts, and prefix caching by a chained hash of each full block.
 
+With a hybrid layout (core/kv_groups.py) each sequence has one table per layer group
+(`seq.block_table` the first, `seq.group_tables` the others); a sliding group's table releases the
+blocks every later token's window has left (NULL_BLOCK in their place), and each group caches its
+blocks under its own hashes. Without one, one table and nothing else changes.
+
 Freed blocks keep their hash and stay findable until the pool needs them back; the free list
 is ordered by release time, so reuse evicts the least recently used cached block first. A block
 released with nothing cached in it (a partial last block, any block once the cache is reset or
@@ -13,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+from .kv_groups import NULL_BLOCK, KVLayout
 from .sequence import Sequence
 
 
@@ -31,14 +37,21 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 layout: Optional[KVLayout] = None, window_margin: int = 0) -> None:
+        """`layout`: the model's KV groups (one group when None or not hybrid). `window_margin`:
+        tokens kept beyond a window, for positions a speculative rollback may recompute."""
+        self.layout = layout if layout is not None and layout.hybrid else None
+        self.windows = [g.window for g in self.layout.groups] if self.layout else [None]
+        reserved = 1 if self.layout else 0          # the null block
+        if num_blocks - reserved <= 0:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks - reserved}")
+        self.num_blocks = num_blocks - reserved     # the blocks sequences can hold
         self.block_size = block_size
+        self.window_margin = window_margin
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(reserved, num_blocks))
         self.hash_to_block: dict[int, int] = {}
         # Counters, in tokens, mirroring vLLM's prefix_cache_queries/hits.
         self.prefix_cache_queries = 0
@@ -57,38 +70,93 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    def blocks_for_tokens(self, num_tokens: int, chunk: int = 0) -> int:
+        """The most blocks one sequence of `num_tokens` holds (its prefill chunks at most `chunk`)."""
+        if self.layout is None:
+            return -(-num_tokens // self.block_size)
+        return self.layout.blocks_for(num_tokens + self.window_margin, self.block_size, chunk)
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's block table per group."""
+        if len(seq.group_tables) < len(self.windows) - 1:
+            seq.group_tables = [[] for _ in range(len(self.windows) - 1)]
+            seq.window_trimmed = [0] * len(self.windows)
+        return [seq.block_table, *seq.group_tables]
+
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return sum(max(0, total - len(table)) for table in self.tables(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
 
     # ------------------------------------------------------------------ prefix cache
+    def _key(self, group: int, h: int) -> int:
+        return h if group == 0 else hash(("kv group", group, h))
+
+    def _cached(self, group: int, h: int, tokens: tuple[int, ...]) -> Optional[int]:
+        block_id = self.hash_to_block.get(self._key(group, h))
+        return block_id if block_id is not None and self.blocks[block_id].token_ids == tokens else None
+
+    def _window_start(self, group: int, num_tokens: int, margin: int = 0) -> int:
+        """First block the next token after `num_tokens` may read in `group` (0 without a window)."""
+        window = self.windows[group]
+        if self.layout is None or window is None:
+            return 0
+        return max(0, num_tokens - window + 1 - margin) // self.block_size
+
     def match_prefix(self, seq: Sequence) -> None:
-        """At a sequence's first scheduling: adopt the cached blocks of its longest cached prefix.
+        """At a sequence's first scheduling: adopt the cached blocks of its longest cached prefix
+        (in every group: a sliding group needs only the blocks of the window before it).
 
         Leaves at least one token uncomputed, so the step that finishes the prompt has logits.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
         self.prefix_cache_queries += seq.num_tokens
         hashes = self.full_block_hashes(seq)
-        for i in range(max_blocks):
-            h = hashes[i]
-            block_id = self.hash_to_block.get(h)
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
-                break
-            self._take(block_id)
-            seq.block_table.append(block_id)
-            seq.block_hashes.append(h)
-        cached = len(seq.block_table) * self.block_size
+        tokens = [tuple(seq.token_ids[i * bs:(i + 1) * bs]) for i in range(max_blocks)]
+        groups = range(len(self.windows))
+        found: list[list[Optional[int]]] = [[] for _ in groups]
+        for g in groups:          # each group's cached blocks from the start, up to its first miss
+            for i in range(max_blocks):
+                block_id = self._cached(g, hashes[i], tokens[i])
+                if block_id is None:
+                    break
+                found[g].append(block_id)
+        # The longest prefix every group can serve: all blocks in full groups, the window's in sliding ones.
+        matched = min((len(found[g]) for g in groups if self.windows[g] is None or self.layout is None),
+                      default=max_blocks)
+        while matched > 0 and not all(self._serves(g, found[g], hashes, tokens, matched) for g in groups):
+            matched -= 1
+        tables = self.tables(seq)
+        for g in groups:
+            start = self._window_start(g, matched * bs)
+            for i in range(matched):
+                if i < start:
+                    tables[g].append(NULL_BLOCK)
+                    continue
+                block_id = found[g][i] if i < len(found[g]) else self._cached(g, hashes[i], tokens[i])
+                self._take(block_id)
+                tables[g].append(block_id)
+            if self.layout is not None:
+                seq.window_trimmed[g] = start
+        seq.block_hashes.extend(hashes[:matched])
+        cached = matched * bs
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
         self.prefix_cache_hits += cached
+
+    def _serves(self, group: int, found: list[int], hashes: list[int], tokens: list[tuple[int, ...]],
+                matched: int) -> bool:
+        if self.layout is None or self.windows[group] is None:
+            return len(found) >= matched
+        start = self._window_start(group, matched * self.block_size)
+        return all(i < len(found) or self._cached(group, hashes[i], tokens[i]) is not None
+                   for i in range(start, matched))
 
     def full_block_hashes(self, seq: Sequence) -> list[int]:
         """Chained hashes of every full block of seq's tokens (memoized while the tokens grow)."""
@@ -102,42 +170,58 @@ class BlockManager:
         return memo
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every newly filled block of `seq` (after its tokens were computed)."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = seq.num_computed_tokens // self.block_size
-        for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt   # an adapter's KV is its own
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(parent, tokens)
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block:
-                block.hash = h
-                block.token_ids = tokens
-                self.hash_to_block[h] = block.block_id
+        """After seq's tokens were computed: register every newly filled block, and release the
+        blocks that every later token's window has left."""
+        if self.enable_prefix_caching:
+            tables = self.tables(seq)
+            num_full = seq.num_computed_tokens // self.block_size
+            for i in range(len(seq.block_hashes), num_full):
+                parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt   # an adapter's KV is its own
+                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                h = chain_hash(parent, tokens)
+                seq.block_hashes.append(h)
+                for g, table in enumerate(tables):
+                    block = self.blocks[table[i]]
+                    key = self._key(g, h)
+                    if self._real(table[i]) and block.hash is None and key not in self.hash_to_block:
+                        block.hash = key
+                        block.token_ids = tokens
+                        self.hash_to_block[key] = block.block_id
+        if self.layout is not None:
+            self._trim_windows(seq)
+
+    def _trim_windows(self, seq: Sequence) -> None:
+        tables = self.tables(seq)
+        for g, table in enumerate(tables):
+            start = min(len(table), self._window_start(g, seq.num_computed_tokens, self.window_margin))
+            for i in range(seq.window_trimmed[g], start):
+                if self._real(table[i]):
+                    self._drop(table[i])
+                    table[i] = NULL_BLOCK
+            seq.window_trimmed[g] = max(seq.window_trimmed[g], start)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make room in seq's block table for its next `num_new_tokens` tokens."""
+        """Make room in seq's block tables for its next `num_new_tokens` tokens."""
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_blocks):
             raise RuntimeError(f"out of KV blocks: need {needed}, have {len(self.free_blocks)}")
-        for _ in range(needed):
-            block_id = next(iter(self.free_blocks))   # least recently released first
-            self._evict(block_id)
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        for table in self.tables(seq):
+            while len(table) < total:
+                block_id = next(iter(self.free_blocks))   # least recently released first
+                self._evict(block_id)
+                self._take(block_id)
+                table.append(block_id)
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Blocks are released tail first, so the tail of a prefix is evicted before its head."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} released more often than taken"
-            if block.ref_count == 0:
-                self._release(block_id)
+        for table in self.tables(seq):
+            for block_id in reversed(table):
+                if self._real(block_id):
+                    self._drop(block_id)
         seq.block_table = []
+        seq.group_tables = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
@@ -145,15 +229,24 @@ class BlockManager:
         """Keep only the K/V of seq's first `num_tokens` tokens (speculation rolled back): the
         blocks past them are released, and only the full blocks before them stay hashed."""
         keep = -(-num_tokens // self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} released more often than taken"
-            if block.ref_count == 0:
-                self._release(block_id)
-        del seq.block_table[keep:]
+        for table in self.tables(seq):
+            for block_id in reversed(table[keep:]):
+                if self._real(block_id):
+                    self._drop(block_id)
+            del table[keep:]
         del seq.block_hashes[num_tokens // self.block_size:]
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
+    def _real(self, block_id: int) -> bool:
+        """Not the null block (which only a hybrid pool has)."""
+        return block_id != NULL_BLOCK or self.layout is None
+
+    def _drop(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} released more often than taken"
+        if block.ref_count == 0:
+            self._release(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds. With nothing cached left, the free
@@ -187,13 +280,18 @@ class BlockManager:
             block.token_ids = None
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """free + used == total; no block owned twice by one sequence; ref counts match owners."""
-        owners = [0] * self.num_blocks
+        """free + used == total; no block owned twice by one sequence; ref counts match owners;
+        the null block is never held nor free."""
+        owners = [0] * len(self.blocks)
         for seq in live:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq} owns a block twice"
-            for b in seq.block_table:
+            held = [b for table in self.tables(seq) for b in table if self._real(b)]
+            assert len(set(held)) == len(held), f"{seq} owns a block twice"
+            for b in held:
                 owners[b] += 1
         for block in self.blocks:
+            if self.layout is not None and block.block_id == NULL_BLOCK:
+                assert block.ref_count == 0 and NULL_BLOCK not in self.free_blocks
+                continue
             assert block.ref_count >= 0
             assert block.ref_count == owners[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}")

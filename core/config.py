@@ -82,6 +82,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9        # share of device memory (GPU-like platforms)
     kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: Optional[int] = None  # force the block count (tests, debugging)
+    # vLLM's flag: every layer keeps every block, even where sliding and full layers mix (core/kv_groups.py).
+    disable_hybrid_kv_cache_manager: bool = False
 
 
 @dataclass

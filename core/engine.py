@@ -78,7 +78,9 @@ class LLMEngine:
         self.lora = attach_lora(config, bundle.model, self.platform, self.dtype)   # slots sized before the KV pool
         self.executor = make_executor(config, self.platform, bundle)    # core/executor.py: in process, mp or ray
         self.runner, self.num_kv_blocks = self.executor.runner, self.executor.num_blocks   # runner: None at tp/pp > 1
-        block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        margin = config.speculative.num_speculative_tokens if config.speculative.method else 0
+        block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                     self.executor.kv_layout, window_margin=margin)
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
         self.executor.lora = self.scheduler.lora = self.lora   # slots taken at admission; a row mapping per step

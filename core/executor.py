@@ -37,6 +37,7 @@ class UniProcExecutor(Executor):
         self.num_blocks = runner.num_blocks
         self.bytes_per_block = runner.bytes_per_block
         self.kv_cache_dtype = runner.kv_cache_dtype
+        self.kv_layout = runner.kv_layout
 
     def execute(self, batch: "ScheduledBatch") -> "StepOutput":
         return self.runner.execute(batch)

@@ -10,6 +10,7 @@ from .errors import EngineDeadError
 from .step import ScheduledBatch, StepInputs, StepOutput
 
 if TYPE_CHECKING:
+    from .kv_groups import KVLayout
     from .model_runner import ModelRunner
 
 __all__ = ["EngineDeadError", "Executor"]
@@ -20,6 +21,7 @@ class Executor:
     num_blocks: int
     bytes_per_block: int
     kv_cache_dtype: torch.dtype
+    kv_layout: Optional["KVLayout"] = None      # the model's KV groups (core/kv_groups.py)
     runner: Optional["ModelRunner"] = None      # in-process only
     lora: Any = None                            # LoRA runs in process only (refused at tp/pp > 1)
 

@@ -69,6 +69,7 @@ class MultiprocExecutor(Executor):
         self.num_blocks = min(r.num_blocks for r in readies)
         self.bytes_per_block = readies[0].bytes_per_block
         self.kv_cache_dtype = readies[0].kv_cache_dtype
+        self.kv_layout = readies[0].kv_layout
         logger.info("%d workers (tp %d x pp %d, mp): pids %s, KV %d blocks per rank", world, tp, pp,
                     [r.pid for r in readies], self.num_blocks)
 

@@ -97,6 +97,7 @@ class RayExecutor(Executor):
         self.num_blocks = min(r.num_blocks for r in readies)
         self.bytes_per_block = readies[0].bytes_per_block
         self.kv_cache_dtype = readies[0].kv_cache_dtype
+        self.kv_layout = readies[0].kv_layout
         logger.info("%d Ray workers (tp %d x pp %d) on %d node(s): %s", world, tp, pp, len(set(n for n, _ in nodes)),
                     [ip for _, ip in nodes])
 

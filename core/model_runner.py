@@ -19,6 +19,7 @@ from tokenmill.platforms.interface import ModelView
 
 from . import distributed
 from .config import EngineConfig
+from .kv_groups import KVLayout, kv_layout
 from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
 from .sequence import Sequence
@@ -70,6 +71,12 @@ class ModelRunner:
         self.backend_cls = type(impl)
         # The backend validated the name (its supported_kv_cache_dtypes); "auto" = model dtype.
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, dtype)
+        # Layers grouped by attention type, so sliding layers hold only their window (core/kv_groups.py);
+        # a pipeline stage holds some of the layers, so stages keep one group.
+        self.kv_layout: KVLayout = kv_layout(
+            [layer.sliding_window for layer in self.layers],
+            hybrid=config.parallel.pipeline_parallel_size == 1 and self.causal
+            and not config.cache.disable_hybrid_kv_cache_manager)
 
         self.bytes_per_block = self._bytes_per_block()
         override = config.cache.num_gpu_blocks_override
@@ -85,10 +92,17 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
                 f"(raise kv_cache_memory / gpu_memory_utilization)")
         self._allocate_kv_cache(self.num_blocks)
+        if self.kv_layout.hybrid:
+            logger.info(self.kv_layout.describe(self.num_blocks, self.block_size, self.bytes_per_block,
+                                                self.max_model_len))
         # Graph capture is for decode steps (captured graphs, the fused decode step); a pooling run
         # has none, only prefills, so it runs eagerly whatever the platform captures.
         self.decode_program = platform.decode_program(config)
-        self.forward = (self._forward_eager if self.pooler is not None
+        if self.kv_layout.hybrid and self.pooler is None:
+            # Decode programs read one block table for every layer.
+            self.decode_program.eager_reason = "hybrid KV groups: a block table per layer group"
+            logger.info("%s: running the model eagerly: %s", self.decode_program.name, self.decode_program.eager_reason)
+        self.forward = (self._forward_eager if self.pooler is not None or self.kv_layout.hybrid
                         else self.decode_program.build(self._forward_eager, self.model_view()))
         self.profile: Optional[StepProfile] = None     # set by `bench --profile`: where step time goes
 
@@ -128,13 +142,16 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         shape = self.backend_cls.kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_size)
         element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return math.prod(shape) * element * len(self.layers)
+        return math.prod(shape) * element * self.kv_layout.group_size
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
         shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        # Zeros, not empty: masked-out slots must never hold NaN bit patterns.
-        for layer in self.layers:
-            layer.kv_cache = self.platform.zeros(shape, self.kv_cache_dtype)
+        # Zeros, not empty: masked-out slots (and a hybrid layout's null block) must never hold NaN bit patterns.
+        tensors = [self.platform.zeros(shape, self.kv_cache_dtype) for _ in range(self.kv_layout.group_size)]
+        tensor_of, group_of = self.kv_layout.tensor_of_layer(), self.kv_layout.group_of_layer()
+        for i, layer in enumerate(self.layers):
+            layer.kv_cache = tensors[tensor_of[i]]
+            layer.kv_group = group_of[i]
 
     def _profile_forward(self) -> None:
         """One dummy forward at the step's token budget, for profilers that measure peak memory."""
@@ -202,6 +219,9 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        groups = len(self.kv_layout.groups)
+        group_tables: list[list[list[int]]] = [[] for _ in range(groups - 1)]
+        group_slots: list[list[int]] = [[] for _ in range(groups - 1)]
         step = PreparedStep()
         row = 0
         for index, entry in enumerate(inputs.entries):
@@ -214,6 +234,9 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
+            for g, other in enumerate(entry.group_tables[:groups - 1]):
+                group_tables[g].append(other)
+                group_slots[g].extend(other[p // bs] * bs + p % bs for p in range(start, end))
             if entry.pooling:                          # prefill only: pooled, never sampled
                 step.pooling_chunks.append((index, start, row, n))
             elif entry.sample_rows:                    # the last row, or one per verified draft
@@ -230,6 +253,10 @@ class ModelRunner:
         step.input_ids, step.positions, slots_t = torch.tensor([input_ids, positions, slots], dtype=torch.long,
                                                                device=dev)
         step.metadata = self._metadata(query_lens, seq_lens, tables, slots_t, inputs.num_decodes)
+        if groups > 1:
+            step.metadata.groups = [step.metadata] + [
+                self._metadata(query_lens, seq_lens, group_tables[g], group_slots[g], inputs.num_decodes)
+                for g in range(groups - 1)]
         if self.lora is not None:      # one mapping per step: which rows run on which adapter slot
             self.lora.set_mapping([(entry.lora_slot, entry.num_tokens) for entry in inputs.entries])
         return step

@@ -59,9 +59,9 @@ def check_length(num_prompt: int, params: Any, limit: int, max_tokens_must_fit: 
         raise RequestError(problem, "prompt", "invalid_value")
 
 
-def pool_problem(num_tokens: int, block_size: int, num_blocks: int) -> Optional[str]:
-    """None when a sequence of `num_tokens` can ever be held by a pool of `num_blocks`, else why not."""
-    needed = -(-num_tokens // block_size)
+def pool_problem(needed: int, num_blocks: int) -> Optional[str]:
+    """None when a sequence that holds at most `needed` blocks can ever be held by a pool of
+    `num_blocks`, else why not."""
     if needed > num_blocks:
         return f"the prompt needs {needed} KV blocks but the pool has only {num_blocks} (raise kv_cache_memory)"
     return None

@@ -95,7 +95,8 @@ class Scheduler:
 
     def fits_in_pool(self, num_tokens: int) -> Optional[str]:
         """None when a sequence of `num_tokens` can ever be held by the pool, else why not."""
-        return pool_problem(num_tokens, self.block_manager.block_size, self.block_manager.num_blocks)
+        chunk = self.config.max_num_batched_tokens or num_tokens
+        return pool_problem(self.block_manager.blocks_for_tokens(num_tokens, chunk), self.block_manager.num_blocks)
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()

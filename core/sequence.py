@@ -36,6 +36,10 @@ class Sequence:
         self.num_computed_tokens = 0      # tokens whose K/V sit in the cache
         self.num_cached_tokens = 0        # of the prompt, found in the prefix cache at first schedule
         self.block_table: list[int] = []
+        # Hybrid KV (core/kv_groups.py): the other layer groups' tables, and per group the blocks
+        # already released for having left the window.
+        self.group_tables: list[list[int]] = []
+        self.window_trimmed: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block, in order
         self.num_preemptions = 0
         self.finish_reason: Optional[str] = None

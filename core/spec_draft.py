@@ -77,7 +77,8 @@ class DraftModel:
         # The target's token capacity plus a block per sequence for the drafts past it.
         cfg.cache.num_gpu_blocks_override = num_blocks + config.scheduler.max_num_seqs
         self.runner = ModelRunner(cfg, platform, bundle.model, bundle.dtype)
-        self.block_manager = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                                          self.runner.kv_layout, window_margin=cfg.speculative.num_speculative_tokens)
         self.token_budget = max(1, int(cfg.scheduler.max_num_batched_tokens))
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()

@@ -45,6 +45,7 @@ class WorkerReady:
     parameter_bytes: int          # this rank's weights (1/tp of the model's, about)
     pid: int
     forward: str = ""             # the runner's forward (a graph-capture wrapper's class name, or eager)
+    kv_layout: Any = None         # the model's KV groups (core/kv_groups.py), the same on every rank
 
 
 class Worker:
@@ -81,7 +82,7 @@ class Worker:
     def ready(self) -> WorkerReady:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return WorkerReady(self.runner.num_blocks, self.runner.bytes_per_block, self.runner.kv_cache_dtype,
-                           params, os.getpid(), type(self.runner.forward).__name__)
+                           params, os.getpid(), type(self.runner.forward).__name__, self.runner.kv_layout)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> Optional[StepOutput]:

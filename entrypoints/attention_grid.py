@@ -49,6 +49,8 @@ class Case:
     kv_cache_dtype: str
     num_kv_heads: int
     batch: str = "mixed"       # "mixed": decodes + prefill chunks; "decode": decodes only
+    sliding_window: Optional[int] = None     # Mistral's, Gemma's sliding layers
+    logits_soft_cap: Optional[float] = None  # Gemma 2's
 
     @property
     def num_heads(self) -> int:
@@ -57,12 +59,15 @@ class Case:
     @property
     def label(self) -> str:
         return (f"D{self.head_size} H{self.num_heads}/{self.num_kv_heads} bs{self.block_size} "
-                f"{self.dtype} kv:{self.kv_cache_dtype} {self.batch}")
+                f"{self.dtype} kv:{self.kv_cache_dtype} {self.batch}"
+                + (f" window{self.sliding_window}" if self.sliding_window else "")
+                + (f" softcap{self.logits_soft_cap:g}" if self.logits_soft_cap else ""))
 
     def as_dict(self) -> dict:
         return {"head_size": self.head_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
                 "gqa_ratio": self.gqa_ratio, "block_size": self.block_size, "dtype": self.dtype,
-                "kv_cache_dtype": self.kv_cache_dtype, "batch": self.batch}
+                "kv_cache_dtype": self.kv_cache_dtype, "batch": self.batch, "sliding_window": self.sliding_window,
+                "logits_soft_cap": self.logits_soft_cap}
 
 
 def device_dtypes(device: str) -> list[str]:
@@ -87,7 +92,7 @@ def build_grid(kind: str, device: str) -> list[Case]:
         for d, r, bs, dt, kv in itertools.product(HEAD_SIZES, GQA_RATIOS, BLOCK_SIZES, dtypes, KV_DTYPES):
             cases.append(Case(d, r, bs, dt, kv, num_kv_heads=2 if r < 8 else 1))
         cases += [Case(64, 3, 16, dt, "auto", 3, batch="decode") for dt in dtypes]
-        return cases
+        return cases + _feature_cases(dtypes)
     # quick: every value of every dimension at least once, every dtype x kv dtype, small batches
     quick = [
         (64, 3, 16, "float32", "auto"),
@@ -99,7 +104,16 @@ def build_grid(kind: str, device: str) -> list[Case]:
     ]
     if "float16" in dtypes:
         quick += [(64, 4, 16, "float16", "auto"), (80, 8, 16, "float16", "fp8")]
-    return [Case(d, r, bs, dt, kv, num_kv_heads=2 if r < 8 else 1) for d, r, bs, dt, kv in quick]
+    return [Case(d, r, bs, dt, kv, num_kv_heads=2 if r < 8 else 1) for d, r, bs, dt, kv in quick] + _feature_cases(dtypes)
+
+
+def _feature_cases(dtypes: list[str]) -> list[Case]:
+    """The capabilities families need beyond plain causal attention: a sliding window shorter than
+    the contexts, logits soft-capping (scores = cap * tanh(scores / cap), scores of unit scale)."""
+    return [Case(64, 3, 16, "float32", "auto", 2, sliding_window=20),
+            Case(128, 4, 16, "bfloat16", "auto", 2, sliding_window=20),
+            Case(64, 3, 16, "float32", "auto", 2, logits_soft_cap=2.0),
+            Case(128, 4, 32, "bfloat16", "auto", 2, logits_soft_cap=2.0, sliding_window=24)]
 
 
 def _batch_spec(case: Case, full: bool, rng: random.Random) -> list[tuple[int, int]]:
@@ -191,7 +205,8 @@ def attention_config(case: Case, dispatch_key: str):
     from tokenmill.attention_backends.interface import AttentionConfig
     return AttentionConfig(head_size=case.head_size, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                            dtype=getattr(torch, case.dtype), kv_cache_dtype=case.kv_cache_dtype,
-                           block_size=case.block_size, device=dispatch_key)
+                           block_size=case.block_size, sliding_window=case.sliding_window,
+                           logits_soft_cap=case.logits_soft_cap, device=dispatch_key)
 
 
 def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
@@ -202,6 +217,7 @@ def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
     shape = cls.kv_cache_shape(inputs.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
     cache = torch.zeros(shape, dtype=kv_cache_torch_dtype(case.kv_cache_dtype, dtype), device=device)
     be = cls(case.num_heads, case.head_size, case.head_size ** -0.5, case.num_kv_heads,
+             sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
              kv_cache_dtype=case.kv_cache_dtype)
     outs = []
     for step in (inputs.step1, inputs.step2):

@@ -32,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                        help="keep every block in sliding-window layers too (one block table for all layers)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true")
     parser.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
@@ -83,6 +85,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "device", "dtype", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
     "long_prefill_token_threshold", "enable_chunked_prefill", "block_size", "kv_cache_memory",
     "gpu_memory_utilization", "kv_cache_dtype", "num_gpu_blocks_override", "enable_prefix_caching",
+    "disable_hybrid_kv_cache_manager",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend",

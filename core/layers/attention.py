@@ -27,12 +27,15 @@ class Attention(nn.Module):
                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                      kv_cache_dtype=kv_cache_dtype)
         self.kv_cache: Optional[torch.Tensor] = None
+        self.kv_group = 0          # its layer group in a hybrid KV layout (core/kv_groups.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata) -> torch.Tensor:
         """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
         if self.kv_cache is None:
             raise RuntimeError("Attention.kv_cache is not set; the model runner must assign it before forward")
         t = q.shape[0]
+        if attn_metadata.groups is not None:
+            attn_metadata = attn_metadata.groups[self.kv_group]
         out = self.impl.forward(q.view(t, self.num_heads, self.head_size),
                                 k.view(t, self.num_kv_heads, self.head_size),
                                 v.view(t, self.num_kv_heads, self.head_size),

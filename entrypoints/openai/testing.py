@@ -118,7 +118,7 @@ class FakeEngine:
         self.waiting.append(r)
 
     def _fits_in_pool(self, num_tokens: int) -> Optional[str]:
-        return request_checks.pool_problem(num_tokens, self.block_size, self.num_kv_blocks)
+        return request_checks.pool_problem(-(-num_tokens // self.block_size), self.num_kv_blocks)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
