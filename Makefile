@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install install-test system-deps serve generate test bench clean
+.PHONY: install install-test system-deps serve generate lint test bench bench-report clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -53,11 +53,20 @@ system-deps:
 			|| echo "warning: apt-get install$$missing failed; the tests that need them will skip"; \
 	else echo "note:$$missing not installed (needs root and apt-get); the tests that need them will skip"; fi
 
-test: install-test system-deps
+# ruff over the tree and mypy over the seams, both configured in pyproject.toml.
+lint: install-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: install-test system-deps lint
 	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 bench: install
 	$(VENV)/bin/tokenmill bench throughput --workload W1
+
+# docs/benchmarks.md from the results in docs/bench/*.json (tests/test_bench_report.py checks they agree).
+bench-report: install
+	$(VENV)/bin/tokenmill bench report
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -1,9 +1,9 @@
 """cpu_sdpa's bf16 prompt attention on AVX512-BF16 (platforms/csrc/flash_prefill.cpp).
 
 A flash-attention kernel for bf16 queries and keys/values: float32 scores and accumulators, the
-probabilities rounded to bf16 for P.V. torch's CPU flash kernel runs a 2048-token SmolLM2
-prompt's attention at ~120 GFLOP/s on a 2-core AVX512-BF16 host (60 % of the prompt's time);
-this one reads K and V in the pair layouts the bf16 dot product takes, and on a CPU with AMX
+probabilities rounded to bf16 for P.V. torch's CPU flash kernel runs small per-block GEMMs far
+below the bf16 dot product's rate, and a long prompt spends most of its time there; this one
+reads K and V in the pair layouts the bf16 dot product takes, and on a CPU with AMX
 multiplies them as tiles (platforms/csrc/flash_tiles.h). Built on first use by
 platforms/native_build.py; TOKENMILL_CPU_KERNELS=0, a missing compiler or a CPU without
 AVX512-BF16 (the build is refused: `available()` says so) leaves cpu_sdpa on torch's SDPA.
@@ -51,10 +51,9 @@ def available() -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def torch_kernel_is_faster() -> bool:
     """Whether torch's own CPU flash attention beats this kernel here: on a CPU with AMX tiles
-    that this build cannot use (torch's brgemm multiplies its bf16 blocks on them). A 2048-token
-    causal SmolLM2 prompt (9/3 heads of 64, 2 threads) on a Xeon with AMX: torch 9.5 ms, this
-    kernel 44 ms on AVX512-BF16 dot products, 7.0 ms on AMX tiles; on an AMD EPYC without AMX:
-    torch 42 ms, this kernel 13.8 (2026-12-02)."""
+    that this build cannot use (torch's brgemm multiplies its bf16 blocks on them, while this
+    kernel would fall back to AVX512-BF16 dot products, several times slower than tiles). Without
+    AMX, or with this build's own AMX tiles, this kernel is the faster one."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if probe is None or not probe():
         return False
@@ -131,8 +130,9 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     out = torch.empty((tq, heads, d), dtype=torch.bfloat16)
     lse = torch.empty((heads, tq), dtype=torch.float32) if return_lse else None
     rc = LIBRARY.require().flash_prefill_bf16(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d, tq, tk,
-        heads, kv_heads, d, float(scale), int(q_offset), int(causal), lse.data_ptr() if lse is not None else None)
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d,
+        tq, tk, heads, kv_heads, d, float(scale), int(q_offset), int(causal),
+        lse.data_ptr() if lse is not None else None)
     if rc != 0:
         raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
     return (out, lse) if return_lse else out

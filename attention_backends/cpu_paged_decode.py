@@ -1,6 +1,7 @@
 """cpu_sdpa's native paged decode attention (platforms/csrc/paged_decode.cpp).
 
-It reads K/V blocks in place, measured ~10x the gather + SDPA path on a W1-like decode batch.
+It reads K/V blocks in place: the gather + SDPA path it replaces copied every sequence's whole
+context into a contiguous tensor each decode step, which cost more than the attention itself.
 Built on first use by the shared helper platforms/native_build.py (which holds no kernel and
 imports nothing of tokenmill's); TOKENMILL_CPU_KERNELS=0 or a missing compiler leaves cpu_sdpa
 on its torch path.
@@ -125,7 +126,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"paged_prefill: out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)}")
     rc = getattr(LIBRARY.require(), f"paged_prefill_{suffix}")(
-        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16), kv_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1],
         lens.data_ptr(), starts.data_ptr(), out.data_ptr(), lens.numel(), num_heads, num_kv_heads, head_size,
         block_size, num_blocks, float(scale), float(k_scale), float(v_scale))
     _prefill_runs_here = rc == 0

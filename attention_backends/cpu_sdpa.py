@@ -115,9 +115,8 @@ class CpuSdpaAttention(AttentionBackend):
         prompt chunks: causal, over a bf16 or fp8 cache, float32 or bf16 activations, head size 64
         or 128, no window or soft cap, on a CPU where it runs (AVX512-BF16 without AMX). It reads
         every chunk's keys back from the cache just written (a cached prefix several chunks share
-        once), so no torch conversions of K/V, Q or the output and no partial outputs to merge.
-        int4 + fp8 KV on a 2-core EPYC: W3's step of 63 chunks after its 512-token cached prefix
-        0.69 -> 0.56 s; W1's prompts (max_tokens=1, medians of 5) 2.00 -> 1.76 s."""
+        once), so no torch conversions of K/V, Q or the output and no partial outputs to merge
+        (those conversions and merges were the larger part of a shared-prefix prompt step)."""
         return (self.sliding_window is None and not self.logits_soft_cap and metadata.causal
                 and kv_cache.dtype in (torch.bfloat16, *FP8_DTYPES)
                 and query.dtype in (torch.float32, torch.bfloat16)
@@ -230,8 +229,9 @@ class CpuSdpaAttention(AttentionBackend):
         return cpu_paged_decode.native_attend_address(kv_cache.dtype)
 
     def _native_decode_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The C++ kernel reads blocks in place (measured ~10x the gather + SDPA path on a W1-like
-        batch); it covers float32 queries over a float32, bf16 or fp8 cache, without soft-capping."""
+        """The C++ kernel reads blocks in place (no per-step gather of every sequence's context, as
+        the SDPA path does); it covers float32 queries over a float32, bf16 or fp8 cache, without
+        soft-capping."""
         return (q.dtype == torch.float32 and kv_cache.dtype in cpu_paged_decode.KV_DTYPES
                 and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
 
@@ -278,7 +278,8 @@ class CpuSdpaAttention(AttentionBackend):
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
                 v = kv_round_trip(v, kv_cache.dtype, self.v_scale)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None],
                                                is_causal=metadata.causal, scale=self.scale,
                                                enable_gqa=group > 1)   # [H, Q, D]
             return o[0].transpose(0, 1)
@@ -304,7 +305,8 @@ class CpuSdpaAttention(AttentionBackend):
             vh = kv[1].transpose(0, 1).unsqueeze(1)
             o = self._attend_manual(qh, kh, vh, allowed)           # [Hkv, G, Q, D]
             return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None], kv[1].transpose(0, 1)[None],
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
+                                           kv[1].transpose(0, 1)[None],
                                            attn_mask=allowed, scale=self.scale, enable_gqa=group > 1)
         return o[0].transpose(0, 1)
 
@@ -312,8 +314,8 @@ class CpuSdpaAttention(AttentionBackend):
                cache_dtype: torch.dtype, return_lse: bool = False):
         """The bf16 flash kernel where it applies: bf16 or float32 activations over a bf16 or fp8
         cache (every fp8 value is a bf16 value; float32 activations: only the query rounded, as
-        for a bf16 cache, 2^-9 relative where the fp8 keys themselves carry 2^-4); None elsewhere.
-        W1 under int4 + fp8 KV: prompts 3.29 s on the float32 SDPA path, 2.5-3.1 s here."""
+        for a bf16 cache, 2^-9 relative where the fp8 keys themselves carry 2^-4): faster than
+        widening the cache to float32 for SDPA. None elsewhere."""
         if not self._flash_reads(q, cache_dtype):
             return None
         if self.logits_soft_cap or self.sliding_window is not None:
@@ -355,7 +357,8 @@ class CpuSdpaAttention(AttentionBackend):
 
     @staticmethod
     def _flash_reads(q: torch.Tensor, cache_dtype: torch.dtype) -> bool:
-        return cache_dtype == torch.bfloat16 or (cache_dtype in FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float32))
+        return cache_dtype == torch.bfloat16 or (cache_dtype in FP8_DTYPES
+                                                 and q.dtype in (torch.bfloat16, torch.float32))
 
     def _as_cached(self, k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype):
         """K/V as attention reads them from an fp8 cache (stored * scale), in bf16 for the flash

@@ -41,7 +41,7 @@ class FlashInferBackend(PackageBackend):
         if cached is None:
             cached = {}
             try:
-                setattr(metadata, "_flashinfer_plans", cached)
+                metadata._flashinfer_plans = cached
             except Exception:
                 pass
         if key in cached:

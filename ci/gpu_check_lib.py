@@ -106,7 +106,8 @@ def finish(args: Any) -> bool:
             line += (f": identical={s['identical_tokens']} backend={on['attention_backend']} "
                      f"replays={on['graph_replays']} gen {on['generate_s']}s (graphs) vs {off['generate_s']}s (eager)")
             if on.get("memory"):
-                line += f"\n        memory: {on['memory']['logged']}; free after KV alloc {on['memory']['free_after_kv_alloc_gib']} GiB"
+                line += (f"\n        memory: {on['memory']['logged']}; free after KV alloc "
+                         f"{on['memory']['free_after_kv_alloc_gib']} GiB")
         if s.get("reason"):
             line += f"\n        {s['reason']}"
         print(line)

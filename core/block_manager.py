@@ -10,8 +10,8 @@ Freed blocks keep their hash and stay findable until the pool needs them back; t
 is ordered by release time, so reuse evicts the least recently used cached block first. A block
 released with nothing cached in it (a partial last block, any block once the cache is reset or
 off) goes to the front instead: it is taken before blocks never used, whose memory the device
-has not touched yet (a CPU pool's pages fault in on first write: ~2 ms per MB measured on a
-2-core VM, 0.7 s a W1 run when every run took fresh blocks), and before cached ones.
+has not touched yet (a CPU pool's pages fault in on first write, a cost every run would pay again
+if it took fresh blocks), and before cached ones.
 """
 from __future__ import annotations
 

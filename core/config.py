@@ -239,7 +239,8 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.model.runner!r}")
         parse_pooler_override(self.model.pooler_config)
         self.lora.validate()
-        if self.lora.enable_lora and (self.parallel.tensor_parallel_size != 1 or self.parallel.pipeline_parallel_size != 1):
+        if self.lora.enable_lora and (self.parallel.tensor_parallel_size != 1
+                                      or self.parallel.pipeline_parallel_size != 1):
             raise ValueError("enable_lora is not supported with tensor/pipeline parallelism yet")
         if self.lora.enable_lora:     # captured/fused decode steps bypass the layers' per-row adapter op
             self.device.enforce_eager = True

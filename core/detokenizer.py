@@ -39,7 +39,7 @@ class IncrementalDetokenizer:
         self._fast = bool(getattr(tokenizer, "is_fast", False))
         self._special_ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
         # A fast tokenizer's Rust backend, asked directly per token: transformers'
-        # convert_ids_to_tokens recomputes all_special_ids on every call (~0.15 ms a token).
+        # convert_ids_to_tokens recomputes all_special_ids on every call, for every token.
         self._backend = getattr(tokenizer, "backend_tokenizer", None) if self._fast else None
         added = {}
         if not self._fast:

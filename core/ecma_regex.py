@@ -22,7 +22,8 @@ _WORD = "0-9A-Za-z_"
 _SPACE = r"\t\n\x0B\x0C\r\x20\xA0\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
 _CLASSES = {"d": _DIGIT, "w": _WORD, "s": _SPACE}
 _NOTHING, _ANYTHING = r"[^\x00-\x{10FFFF}]", r"[\x00-\x{10FFFF}]"   # ECMA's [] and [^]
-_ESCAPE_END = re.compile(r"\\(?:x[0-9A-Fa-f]{2}|u\{[0-9A-Fa-f]+\}|u[0-9A-Fa-f]{4}|[pP]\{[^}]*\}|c[A-Za-z]|.)", re.DOTALL)
+_ESCAPE_END = re.compile(r"\\(?:x[0-9A-Fa-f]{2}|u\{[0-9A-Fa-f]+\}|u[0-9A-Fa-f]{4}|[pP]\{[^}]*\}|c[A-Za-z]|.)",
+                         re.DOTALL)
 # A Lark grammar's strings and comments (kept as they are) and its /regex/ terminals (group 1).
 _LARK_TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|(?://|#)[^\n]*|/((?:\\.|[^/\\\n])+)/')
 

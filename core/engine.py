@@ -138,7 +138,8 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         return request_checks.prompt_token_ids(prompt, self.tokenizer.encode, self.vocab_size)
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: int = 0,
                     max_tokens_must_fit: bool = False, group_id: Optional[str] = None,
                     lora_request: Union[LoRARequest, str, None] = None) -> None:

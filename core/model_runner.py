@@ -123,11 +123,12 @@ class ModelRunner:
         took = self.forward != self._forward_eager     # bound methods: compared by ==, never `is`
         impl = self.layers[0].impl
         return {"decode_program": self.decode_program.name, "took_the_model": took,
-                "eager_reason": None if took else (self.decode_program.eager_reason
-                                                   or ("the platform's default is eager" if self.decode_program.name == "none"
-                                                       else None)),
+                "eager_reason": None if took else (
+                    self.decode_program.eager_reason
+                    or ("the platform's default is eager" if self.decode_program.name == "none" else None)),
                 "attention_backend": impl.name,
-                "native_decode_attention": bool(getattr(impl, "native_decode_fn", lambda _: None)(self.layers[0].kv_cache)),
+                "native_decode_attention": bool(
+                    getattr(impl, "native_decode_fn", lambda _: None)(self.layers[0].kv_cache)),
                 "layer_kernels": layers, "quantization_kernels": methods}
 
     def model_view(self) -> ModelView:
@@ -188,7 +189,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            slot_mapping=slots if isinstance(slots, torch.Tensor) else torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=(slots if isinstance(slots, torch.Tensor)
+                          else torch.tensor(slots, dtype=torch.long, device=dev)),
             num_decodes=num_decodes, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             block_size=self.block_size, query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens), causal=self.causal)
 

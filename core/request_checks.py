@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 from .errors import RequestError
 
 
-def prompt_token_ids(prompt: Any, encode: Callable[[str], list[int]], vocab_size: int) -> tuple[Optional[str], list[int]]:
+def prompt_token_ids(prompt: Any, encode: Callable[[str], list[int]],
+                     vocab_size: int) -> tuple[Optional[str], list[int]]:
     """(text or None, token ids) of a prompt: a string, a list of token ids, or a dict with
     `prompt` or `prompt_token_ids`."""
     if isinstance(prompt, dict):

@@ -15,7 +15,7 @@ fair share), so 64 prompts x n=8 of one client cannot keep another client's requ
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .block_manager import BlockManager

@@ -19,8 +19,9 @@ identical to decoding without speculation, and seeded rows stay reproducible.
 
 The target's KV of rejected drafts needs no undo: those positions lie past `num_computed_tokens`,
 which only counts accepted tokens, so the next step overwrites them and the prefix cache never
-registers a block holding them (a draft model rolls its own KV back: core/spec_draft.py). A step with more decoding sequences than `disable_by_batch_size` drafts
-nothing (batched decode is compute-bound: verifying drafts would cost more than it saves).
+registers a block holding them (a draft model rolls its own KV back: core/spec_draft.py). A step
+with more decoding sequences than `disable_by_batch_size` drafts nothing (batched decode is
+compute-bound: verifying drafts would cost more than it saves).
 
 Method "ngram" (prompt lookup): the longest suffix of the sequence (prompt_lookup_max down to
 prompt_lookup_min tokens) that occurred earlier in it proposes the tokens that followed it then.
@@ -135,7 +136,8 @@ class Speculator:
         if self.draft is not None:
             self.draft.release(seq)
 
-    def sample(self, sampler: Sampler, result: "StepOutput", batch: "ScheduledBatch", rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, sampler: Sampler, result: "StepOutput", batch: "ScheduledBatch",
+               rows: list[SamplingRow]) -> SamplerOutput:
         """The step's tokens: the sampler's, except for the rows of sequences verifying random
         drafts with a known q (a draft model's), decided by rejection sampling."""
         pending, self.pending_q = self.pending_q, {}

@@ -3,8 +3,8 @@
 add_request hands the request's constraint to `submit`: a constraint in the backend's compile cache
 (keyed by kind and spec) is ready at once; any other compiles on a worker thread, and the request
 waits (the engine keeps it out of the scheduler) while the other requests go on stepping (the
-built-in backends compile in native code; a 20-field schema takes 3-16 ms here, see
-docs/benchmarks.md). A spec the backend refuses ends
+built-in backends compile in native code, so a typical schema is ready within a step or two).
+A spec the backend refuses ends
 its request with the backend's RequestError (the server's 400: nothing was streamed yet); what no
 backend may accept -- a schema whose `$ref` points outside it (nothing is fetched) -- is refused
 here, before compiling, whichever backend it is (`check_schemas`). Once

@@ -104,7 +104,8 @@ def build_grid(kind: str, device: str) -> list[Case]:
     ]
     if "float16" in dtypes:
         quick += [(64, 4, 16, "float16", "auto"), (80, 8, 16, "float16", "fp8")]
-    return [Case(d, r, bs, dt, kv, num_kv_heads=2 if r < 8 else 1) for d, r, bs, dt, kv in quick] + _feature_cases(dtypes)
+    return ([Case(d, r, bs, dt, kv, num_kv_heads=2 if r < 8 else 1) for d, r, bs, dt, kv in quick]
+            + _feature_cases(dtypes))
 
 
 def _feature_cases(dtypes: list[str]) -> list[Case]:

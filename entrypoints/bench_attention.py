@@ -11,6 +11,7 @@ backend's KV write, as in the engine. Reports ms per layer call and the speedup 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -32,7 +33,8 @@ def add_bench_subparser(bench_subparsers) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations per repeat (default: about 0.2 s); the best of 5 repeats is reported")
+    p.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per repeat (default: about 0.2 s); the best of 5 repeats is reported")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.set_defaults(func=run)
@@ -148,7 +150,7 @@ def run(args) -> int:
                                 dtype=dtype, device=args.device)
             # fill the cached context (positions before this step's tokens) with random values
             cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
-            ms = _time(lambda: be.forward(q, k, v, cache, md), args.iters, sync)
+            ms = _time(functools.partial(be.forward, q, k, v, cache, md), args.iters, sync)
             out = be.forward(q, k, v, cache, md).float()
             diff = None
             if name == "reference":

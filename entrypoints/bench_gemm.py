@@ -75,7 +75,8 @@ def _candidates(n: int, k: int, rows: int, name: str):
             kernels = {"quantize_rows_int8": cpu_kernels.quantize_rows_int8,
                        "dequantize_int32": cpu_kernels.dequantize_int32}
         by_channel = weight.t().contiguous().t()
-        out["int8_per_tok"] = lambda: int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, None, kernels)
+        out["int8_per_tok"] = lambda: int8_matmul_per_token(x, int8_weight, channel_scale, by_channel, 16, None,
+                                                            kernels)
     if native.NativeHeadKernel.available() is None:
         lib = native.LIBRARY.require()
         y = torch.empty(rows, n)
@@ -105,7 +106,9 @@ def run(args) -> int:
     peak = max(native.vnni_peak_gops() for _ in range(3)) if native.NativeHeadKernel.available() is None else None
     print(f"threads {torch.get_num_threads()}; measured AVX512-VNNI int8 peak: "
           + (f"{peak:.0f} GOP/s" if peak else "unavailable (no VNNI kernels here)"))
-    results = {"threads": torch.get_num_threads(), "vnni_peak_gops": peak, "rows": []}
+    from .bench_record import cli_command, run_record
+    results = {**run_record(cli_command(args)), "threads": torch.get_num_threads(), "vnni_peak_gops": peak,
+               "rows": []}
     print(f"{'shape':>8} {'rows':>5} " + " ".join(f"{c:>20}" for c in
                                                  ("f32", "bf16", "int_mm", "int8_per_tok", "fused_q4/q8_head")))
     for name in shapes:

@@ -216,7 +216,8 @@ def format_summary(s: dict[str, Any]) -> str:
     row("Request throughput (req/s):", s["request_throughput"], "{:<10.2f}")
     row("Output token throughput (tok/s):", s["output_throughput"], "{:<10.2f}")
     row("Total token throughput (tok/s):", s["total_token_throughput"], "{:<10.2f}")
-    for key, title, label in (("ttft_ms", "Time to First Token", "TTFT"), ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
+    for key, title, label in (("ttft_ms", "Time to First Token", "TTFT"),
+                              ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
                               ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL")):
         lines.append("{s:{c}^50}".format(s=title, c="-"))
         row(f"Mean {label} (ms):", s[key]["mean"], "{:<10.2f}")
@@ -254,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
         plot_results(results, summary, plot)
         print(f"plot: {plot}")
     if args.result_json:
+        from .bench_record import cli_command, run_record
+        # The host is this client's: the server's when it runs on the same machine, as it usually does.
         with open(args.result_json, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+            json.dump({**run_record(cli_command(args)), **summary}, f, indent=2, default=str)
     return 0 if summary["failed"] == 0 else 1
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 from .baselines.external import DEFAULT_PYTHON, DEFAULT_VLLM_MODEL, ENGINES
 from .baselines.plot import plot_results
 from .bench_profile import profile_lines, start_profile
+from .bench_record import cli_command, run_record
 from .engine_args import add_engine_args, engine_kwargs
 
 
@@ -319,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
     memory = weight_memory(engine.bundle)
     print(header)
     print(memory["text"])
-    results: dict[str, Any] = {"engine": header, "weight_memory": memory, "workloads": {}}
+    results: dict[str, Any] = {"engine": header, **run_record(cli_command(args)), "weight_memory": memory,
+                               "workloads": {}}
     if structured:
         results["structured_outputs"] = {"kind": structured, "backend": engine.structured.backend_name}
     runner = start_profile(engine) if args.profile else None

@@ -126,8 +126,8 @@ class PluginChecks:
             usable = sorted((r for r in self.discovery.discover_platforms() if r.usable),
                             key=lambda r: -(r.priority or 0))
             keys = set(cls.supported_devices)
-            match = next((r for r in usable if "*" in keys or self.discovery.platform_class(r.name).dispatch_key in keys),
-                         None)
+            match = next((r for r in usable
+                          if "*" in keys or self.discovery.platform_class(r.name).dispatch_key in keys), None)
             if match is None:
                 raise Skip(f"no available platform has a dispatch key {self.name} supports ({sorted(keys)})")
             platform_name = match.name

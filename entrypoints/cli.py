@@ -29,6 +29,7 @@ BENCH_MODULES = [
     "tokenmill.entrypoints.bench_attention",
     "tokenmill.entrypoints.bench_gemm",
     "tokenmill.entrypoints.bench_embed",
+    "tokenmill.entrypoints.bench_report",
 ]
 
 
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = _import_optional(name)
         if module is not None:
             module.add_subparser(subparsers)
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm, embed")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm, embed; report")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name in BENCH_MODULES:
         module = _import_optional(name)
@@ -84,6 +85,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if extras:
         command_parser = getattr(args, "_cli_parser", None) or parser
         command_parser.error(unknown_arguments_message(command_parser, extras))
+    args._argv = list(argv) if argv is not None else sys.argv[1:]     # result files record their command
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):

@@ -72,10 +72,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         help="native: tokenmill's own model class; transformers: transformers' modeling code on "
                              "tokenmill's paged attention; auto (default): native when registered (tokenmill models)")
     lora = parser.add_argument_group("LoRA adapters (docs/serving.md)")
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT format) beside the base model")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters (PEFT format) beside the base model")
     lora.add_argument("--max-loras", type=int, default=1, help="adapters resident on the device at once (default 1)")
     lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank accepted (default 16)")
-    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: --max-loras)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory (default: --max-loras)")
     lora.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                       help='adapters served from the start, as name=path or \'{"name": .., "path": ..}\'')
     parser.set_defaults(enable_prefix_caching=True, enable_chunked_prefill=True)
@@ -89,7 +91,8 @@ ENGINE_ARG_NAMES = (
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
     "pipeline_parallel_size", "distributed_executor_backend",
-    "runner", "pooler_config", "model_impl", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
+    "runner", "pooler_config", "model_impl",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
 )
 
 

@@ -5,7 +5,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -53,12 +53,12 @@ def cpu_has_amx() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def bf16_gemm_is_faster(threads: int) -> bool:
-    """Whether oneDNN's bf16 GEMM beats its fp32 one here, measured once per process (20-70 ms;
-    asked only when bf16 is requested: a float32 or quantized run never pays it).
+    """Whether oneDNN's bf16 GEMM beats its fp32 one here, measured once per process (a few tens
+    of ms; asked only when bf16 is requested: a float32 or quantized run never pays it).
 
-    The flags do not tell: AMX always wins, and AVX512_BF16 alone measured both ways — 154 vs 274
-    GFLOP/s fp32 on an Intel host without AMX, 631 vs 165 GFLOP/s on an AMD EPYC (2 threads,
-    2048x576 @ 576x1536). bf16 then runs activations, the KV cache and large GEMMs too."""
+    The flags do not tell: AMX always wins, and with AVX512_BF16 alone bf16 has come out well
+    behind fp32 on one CPU family and several times ahead on another (2048x576 @ 576x1536). bf16
+    then runs activations, the KV cache and large GEMMs too."""
     if cpu_has_amx():
         return True
     if "avx512_bf16" not in cpu_flags():
@@ -142,8 +142,9 @@ class CpuPlatform(Platform):
             return TorchCompileProgram()
         if choice == "fused_decode":
             if weight_format is None:
-                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' or dtype 'bfloat16' "
-                                 "on the cpu platform (float32 runs eagerly, matching transformers)")
+                raise ValueError("graph_capture 'fused_decode' needs quantization 'int4', 'gguf' or 'int8' "
+                                 "or dtype 'bfloat16' on the cpu platform "
+                                 "(float32 runs eagerly, matching transformers)")
             return FusedDecodeProgram(weight_format)
         raise ValueError(f"graph_capture {choice!r} is not offered by the cpu platform "
                          f"(offers {self.decode_programs()})")
@@ -153,8 +154,8 @@ class CpuPlatform(Platform):
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Through calloc (numpy's zeros): the kernel hands out zero pages as they are first
-        touched, so a 4 GiB KV pool costs nothing at start-up (torch.zeros writes every byte:
-        ~1.5 s here) and only the blocks in use ever take RAM."""
+        touched, so a 4 GiB KV pool costs nothing at start-up (torch.zeros writes every byte, seconds
+        of start-up) and only the blocks in use ever take RAM."""
         import numpy as np
 
         count = 1
@@ -201,8 +202,8 @@ class CpuPlatform(Platform):
             # awq/gptq/compressed-tensors/fp8/int8 keep their own stored weights: no dense-weight kernels.
             return LayerKernels()
         if config.model.dtype == "bfloat16" and self.activation_dtype(torch.bfloat16) == torch.bfloat16:
-            # bf16 activations: the native norm/rope/SiLU in bf16 (torch's roundings; a W4 prompt
-            # spent ~1.4 s of 6.7 in those torch ops) and, for decode steps, the head in the fused
+            # bf16 activations: the native norm/rope/SiLU in bf16 (torch's roundings; those torch ops
+            # were a large share of a long prompt's step) and, for decode steps, the head in the fused
             # step's bf16 form (the weights are bf16 already).
             kernels = native_layer_kernels() if cpu_kernels.available() is None else LayerKernels()
             if fused and NativeHeadKernel.available("bf16") is None:
@@ -257,13 +258,12 @@ class CpuPlatform(Platform):
         if name == "int4":
             from . import cpu_decode_kernels as native
 
-            # With AMX, torch._int_mm's tiles beat S8 at the GEMM (2048 x 3072 x 576: 2160 vs 665
-            # GOP/s) but not end to end (W1 707 vs 681 output tok/s, W4 1428 vs 1427 total: the
-            # step's float32 elementwise work dominates there), so S8 everywhere.
+            # With AMX, torch._int_mm's tiles beat S8 at the GEMM itself but not end to end (W1 and
+            # W4 came out even: the step's float32 elementwise work dominates there), so S8 everywhere.
             if native.NativeHeadKernel.available("q8") is None:
                 # Batches in S8 (int8 per-channel weights, activations per 32 inputs, one native
-                # call): 2048 x 3072 x 576 in 6.0 ms vs 8.6 for torch._int_mm with its quantize,
-                # outlier and dequantize passes (platforms/cpu_decode_kernels.py).
+                # call), faster than torch._int_mm with its separate quantize, outlier and dequantize
+                # passes (platforms/cpu_decode_kernels.py).
                 kernels.update(pack_s8=native.pack_s8_weight, matmul_s8=native.matmul_s8)
         return QuantKernels(**kernels)
 
@@ -287,9 +287,9 @@ class CpuPlatform(Platform):
             config.model.dtype = "float32"      # the GGUF kernels take float32 activations
         threads = config.device.num_threads or os.cpu_count() or 1
         if config.model.dtype == "auto":
-            # bf16 only with AMX. Where AVX512_BF16 alone wins (bf16_gemm_is_faster: an AMD EPYC gave
-            # W1 419.5 vs 196.8 output tok/s, W2 104.4 vs 17.0, W4 756.5 vs 456.1 total tok/s with
-            # --dtype bfloat16) it is still not the default: a greedy request repeated on a cached
+            # bf16 only with AMX. Where AVX512_BF16 alone wins (bf16_gemm_is_faster; --dtype bfloat16
+            # is then several times float32's speed: docs/benchmarks.md) it is still not the
+            # default: a greedy request repeated on a cached
             # prefix re-runs its last prompt token through the fused bf16 step, whose rounding differs
             # from the bf16 prefill's, and can answer differently; float32 answers the same every time.
             config.model.dtype = "bfloat16" if cpu_has_amx() else "float32"
@@ -300,8 +300,8 @@ class CpuPlatform(Platform):
 
 def _advise_huge_pages(address: int, length: int) -> None:
     """Ask for transparent huge pages on a large zero-page mapping (the KV pool): a prefill then
-    first-touches its blocks 2 MiB at a time instead of 4 KiB (measured: writing a 2048-token
-    prompt's K/V took ~100 ms of page faults on a 2-core VM). A no-op where THP is off or the
+    first-touches its blocks 2 MiB at a time instead of 4 KiB (with 4 KiB pages, writing a long
+    prompt's K/V was mostly page faults). A no-op where THP is off or the
     call fails; memory still comes only as blocks are used (in 2 MiB steps)."""
     huge = 2 << 20
     start = (address + huge - 1) // huge * huge

@@ -138,13 +138,13 @@ class NativeHeadKernel:
     """The LM head of a decode step as a layer kernel ("lm_head", core/layers/kernels.py), one
     native call: under quantization="int4" ("q8") int8 weights per group of 32 (28 MB for
     SmolLM2's 49152 x 576 head, like the file's Q8_0) times activations quantized per 32 inputs
-    (the per-token int8 GEMM with its outlier channels spent ~1 ms a step at one row gathering
-    the outlier rows alone); under dtype=bfloat16 ("bf16") the bf16 weight in the fused step's
+    (the per-token int8 GEMM with its outlier channels spent more time gathering the outlier
+    rows than multiplying at one row); under dtype=bfloat16 ("bf16") the bf16 weight in the fused step's
     pair layout. Inputs it does not take (more than `max_rows` rows: prompt logprobs, large q8
     decode batches, where the int8 GEMM does better; shapes outside its blocks) return
-    NotImplemented, and the layer runs its own method. The bf16 head takes whole decode batches:
-    at 64 rows it measured 8.3 ms against oneDNN's 9.7 (2 threads, 49152 x 576), and its float32
-    logits need no conversion before sampling."""
+    NotImplemented, and the layer runs its own method. The bf16 head takes whole decode batches
+    (it keeps up with oneDNN at 64 rows), and its float32 logits need no conversion before
+    sampling."""
     name = "native_head"
 
     def __init__(self, weight_format: str) -> None:
@@ -177,7 +177,8 @@ class NativeHeadKernel:
     def __call__(self, x: torch.Tensor, prepared: Any, bias: Optional[torch.Tensor]) -> Any:
         linear, _ = prepared
         if (linear is None or x.dim() != 2 or bias is not None or x.shape[0] > self.max_rows
-                or x.dtype not in ((torch.float32,) if self.weight_format == "q8" else (torch.float32, torch.bfloat16))):
+                or x.dtype not in ((torch.float32,) if self.weight_format == "q8"
+                                   else (torch.float32, torch.bfloat16))):
             return NotImplemented
         x = x.float().contiguous()
         y = torch.empty((x.shape[0], linear.n), dtype=torch.float32)
@@ -202,9 +203,8 @@ def packed_bf16(weight: torch.Tensor) -> PackedBf16:
 class NativeBf16Linear:
     """The dense linears of the eager path under dtype=bfloat16 ("linear", core/layers/kernels.py)
     on AMX tiles, the fused step's bf16 matmul (platforms/csrc/cpu_decode_step.cpp bf16_linear):
-    on a 2-core Xeon (2 threads) it ran 576 -> 3072 at 17 rows at 406 GFLOP/s vs oneDNN's 191,
-    at 64 rows 733 vs 589, at 512 rows about even and at 2048 rows 470 vs 694, so steps of more
-    than `max_rows` rows (long prompt chunks) stay with oneDNN. Inputs it does not take (not
+    it beats oneDNN on short batches, ties around 512 rows and loses on long ones, so steps of
+    more than `max_rows` rows (long prompt chunks) stay with oneDNN. Inputs it does not take (not
     bf16, shapes outside its blocks) return NotImplemented: the layer's own method runs."""
     name = "native_bf16"
 

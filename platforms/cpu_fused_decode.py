@@ -42,14 +42,14 @@ logger = logging.getLogger("tokenmill.platforms.cpu")
 
 # Any step of up to MAX_FUSED_TOKENS tokens runs fused; a step of one token per sequence (decodes
 # only) up to MAX_FUSED_DECODES: its attention reads each context once per row either way, and
-# the fused step's GEMMs run at oneDNN's rate from 8 rows up (docs/benchmarks.md) while the eager
+# the fused step's GEMMs run at oneDNN's rate from 8 rows up (`tokenmill bench gemm`) while the eager
 # step pays ~30 torch ops a layer around them. Prompt chunks above 32 tokens stay eager: their
 # rows attend to each other, which the eager path's flash attention does in one pass.
 MAX_FUSED_TOKENS = 32
 MAX_FUSED_DECODES = 256
 # Under "q4", steps of this many tokens and more run S8 (int8 per-channel weights, 2 blocks x 6
-# tokens a tile): 3072 x 576 at 8 rows 934 vs 728 GOP/s for Q4, at 64 rows 1290 vs 816 (bf16
-# 818); at 4 rows Q4 still wins (718 vs 649), its weights being a quarter of the bytes.
+# tokens a tile), which outruns Q4 from 8 rows up (`tokenmill bench gemm`); below that Q4 wins,
+# its weights being a quarter of the bytes.
 BATCH_ROWS = 8
 
 # native: the quantization method's packed parts as they are; s8: its int8 per-channel weights.

@@ -25,7 +25,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul_bf16.argtypes = [p, p, i64, i64]
     lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.dequantize_int32.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i64]
-    for fn in (lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32, lib.rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16, lib.quantize_rows_int8, lib.dequantize_int32):
+    for fn in (lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32, lib.rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16,
+               lib.quantize_rows_int8, lib.dequantize_int32):
         fn.restype = None
 
 

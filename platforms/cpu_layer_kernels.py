@@ -44,9 +44,10 @@ class NativeRMSNorm:
         rows, cols = x.shape
         out = torch.empty_like(x)
         new_residual = torch.empty_like(x) if residual is not None else None
-        (_lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16)(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                            weight.data_ptr(), float(eps), out.data_ptr(),
-                            new_residual.data_ptr() if new_residual is not None else None, rows, cols)
+        norm = _lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16
+        norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+             weight.data_ptr(), float(eps), out.data_ptr(),
+             new_residual.data_ptr() if new_residual is not None else None, rows, cols)
         return out if residual is None else (out, new_residual)
 
 
@@ -62,8 +63,9 @@ class NativeRotary:
             return NotImplemented
         tokens, heads, head_size = x.shape
         out = torch.empty((tokens, heads, head_size), dtype=x.dtype)
-        (_lib().rope_f32 if x.dtype == torch.float32 else _lib().rope_bf16)(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
-                        out.data_ptr(), tokens, heads, head_size)
+        rope = _lib().rope_f32 if x.dtype == torch.float32 else _lib().rope_bf16
+        rope(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
+             out.data_ptr(), tokens, heads, head_size)
         return out
 
 
@@ -75,7 +77,8 @@ class NativeSiluAndMul:
             return NotImplemented
         rows, width = x.shape
         out = torch.empty((rows, width // 2), dtype=x.dtype)
-        (_lib().silu_mul_f32 if x.dtype == torch.float32 else _lib().silu_mul_bf16)(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        silu_mul = _lib().silu_mul_f32 if x.dtype == torch.float32 else _lib().silu_mul_bf16
+        silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
 

@@ -29,8 +29,8 @@ class LinearKernel:
 
 class MkldnnPackedLinear(LinearKernel):
     """oneDNN with the weight pre-packed into its blocked layout (what inductor's CPU freezing
-    does). Measured here: ~1.3-1.7x faster than F.linear for small-batch bf16 decode, and
-    bit-identical to F.linear in bf16 (float32 differs only by accumulation order)."""
+    does): faster than F.linear for small-batch bf16 decode, which re-packs the weight every call,
+    and bit-identical to F.linear in bf16 (float32 differs only by accumulation order)."""
     name = "mkldnn_packed"
 
     def __init__(self, batch_hint: int = 1) -> None:
@@ -61,7 +61,7 @@ class Bf16WeightLinear(LinearKernel):
     """bf16 weights, float32 activations. The weight is rounded to bf16 once (the parameter keeps
     those exact values in fp32). Small batches are memory-bound, so they read a packed bf16 copy:
     half the bytes. Large batches are compute-bound, and on CPUs without AMX oneDNN's fp32 GEMM
-    beats its bf16 one (274 vs 154 GFLOP/s measured here), so they multiply the same values in fp32."""
+    can beat its bf16 one (bf16_gemm_is_faster), so they multiply the same values in fp32."""
     name = "bf16_weights"
 
     def __init__(self, small_batch_rows: int = 16) -> None:

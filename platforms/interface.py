@@ -189,7 +189,7 @@ class LayerKernels:
     def of(cls, kernels: "LayerKernels | Mapping[str, Any] | None") -> "LayerKernels":
         """From a mapping by op kind (an unknown kind is a ValueError, so a misspelt name cannot
         silently leave the torch path on)."""
-        if isinstance(kernels, cls):
+        if isinstance(kernels, LayerKernels):
             return kernels
         given = dict(kernels or {})
         known = [f.name for f in dataclasses.fields(cls)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 

@@ -68,7 +68,7 @@ def _declaring_packages() -> dict[tuple[str, str, str], tuple[str, str]]:
     for dist in importlib.metadata.distributions():
         try:
             ours = [ep for ep in dist.entry_points if ep.group in groups]
-            if not ours:     # parsing every installed METADATA file costs ~0.5 s of start-up
+            if not ours:     # parsing every installed METADATA file would slow start-up visibly
                 continue
             name, version = dist.metadata["Name"] or UNKNOWN_PACKAGE, dist.version or "?"
             for ep in ours:

@@ -17,7 +17,8 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from .int4_groups import Int4Groups, Int4GroupsMethod, add_bias, add_param, groups_from_values, shard_loader, unpack_int32
+from .int4_groups import (Int4Groups, Int4GroupsMethod, add_bias, add_param, groups_from_values, shard_loader,
+                          unpack_int32)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -56,7 +57,8 @@ class AWQQuantization(Int4GroupsMethod):
                              "inputs and 8-channel words")
         add_param(layer, "qweight", [input_size, out // 8], torch.int32, shard_loader(output_sizes, 1, 8, "qweight"))
         add_param(layer, "qzeros", [input_size // g, out // 8], torch.int32, shard_loader(output_sizes, 1, 8, "qzeros"))
-        add_param(layer, "scales", [input_size // g, out], torch.float16, shard_loader(output_sizes, 1, 1, "scales", as_stored=True))
+        add_param(layer, "scales", [input_size // g, out], torch.float16,
+                  shard_loader(output_sizes, 1, 1, "scales", as_stored=True))
         add_bias(layer, output_sizes, bias, dtype)
 
     def unpack(self, layer: nn.Module) -> Int4Groups:

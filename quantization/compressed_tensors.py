@@ -176,7 +176,8 @@ class CompressedTensorsQuantization(Int4GroupsMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         input_scale = getattr(layer, "ct_input_scale", None)
         if self.kind == "int8":
-            return int8_linear(layer, x, bias, dynamic_activations=self.activations is not None and not self.static_input,
+            return int8_linear(layer, x, bias,
+                               dynamic_activations=self.activations is not None and not self.static_input,
                                input_scale=input_scale, kernels=self.kernels)
         if self.kind == "fp8":
             return fp8_linear(layer, x, bias, fp8_activations=self.activations is not None, input_scale=input_scale)

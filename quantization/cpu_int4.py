@@ -45,14 +45,14 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
     Two execution paths over those weights, picked by the number of rows (tokens) in the batch:
     * fewer than `small_batch_rows`: bound by reading weights, which stay packed two per byte
       (53 MB for SmolLM2-135M's 30 layers instead of 425 MB in fp32, and they fit in L3):
-      torch's int4 CPU kernel, bf16 activations and bf16 scale/zero point; ~3.5x less time than
-      fp32 over the 30 layers. (A native float32 GEMV of ours measured faster in isolation but
-      66 -> 60 tok/s slower on W2 in the engine, so it was dropped.)
+      torch's int4 CPU kernel, bf16 activations and bf16 scale/zero point; several times less
+      time than fp32 over the 30 layers. (A native float32 GEMV of ours was faster in isolation
+      but slower on W2 in the engine, so it was dropped.)
     * more (decode batches and prefill): bound by multiply-adds. The 4-bit values re-expressed
       as int8 with one scale per output channel (error below 1/16 of a 4-bit step), activations
       quantized to int8 with one scale per token and their 16 largest channels kept in float32
-      (int8_matmul_per_token), int8 x int8 -> int32 GEMM (VNNI): 2.5x less time than fp32 at 64
-      rows, 2.7x at 512 (torch._int_mm vs F.linear, measured here). llama.cpp likewise multiplies
+      (int8_matmul_per_token), int8 x int8 -> int32 GEMM (VNNI: four times fp32's multiply-adds
+      per instruction; torch._int_mm). llama.cpp likewise multiplies
       its 4-bit weights by 8-bit activations. Perplexity of SmolLM2-135M on 808 tokens of
       English: 66.34 fp32, 66.84 this way.
     The parameter is overwritten with the dequantized 4-bit values (what a float32 fallback uses).
@@ -169,9 +169,9 @@ class Int8HeadMethod(UnquantizedLinearMethod):
     """The LM head under quantization="int4". GGUF files usually store it (or the tied embedding)
     in 8 bits, so 4 bits would visibly change it: int8 per output channel instead, times int8
     per-token activations with the outlier channels in float32 (int8_matmul_per_token). That
-    reads 28 MB per step instead of 113 MB (fp32) or 57 MB (bf16): measured for SmolLM2's
-    49152 x 576 head at one row, 1.4 ms vs 3.5 ms fp32 and 2.3 ms packed bf16; at 64 rows it
-    is the largest single matmul of a decode step. The weight itself (shared with the
+    reads 28 MB per step instead of 113 MB (fp32) or 57 MB (bf16) for SmolLM2's 49152 x 576
+    head, and at one row the head is bound by those bytes; at 64 rows it is the largest single
+    matmul of a decode step. The weight itself (shared with the
     embedding) is left as loaded."""
     name = "int8_head"
 

@@ -80,8 +80,8 @@ def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...
     return torch.from_numpy(out).reshape(shape)
 
 
-# The commonest block formats in torch ops (multi-threaded; gguf.quants' numpy took ~2 s for
-# SmolLM2's Q4_1 file here). Same arithmetic as gguf.quants, in the same order, so the values
+# The commonest block formats in torch ops (multi-threaded; gguf.quants' numpy, single-threaded,
+# was a large part of start-up). Same arithmetic as gguf.quants, in the same order, so the values
 # are bit-identical (tests/test_gguf_quant.py compares them).
 def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return raw.reshape(-1, block_bytes)

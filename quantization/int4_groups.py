@@ -94,7 +94,8 @@ def add_param(layer: nn.Module, name: str, shape: Sequence[int], dtype: torch.dt
 
 def add_bias(layer: nn.Module, output_sizes: Sequence[int], bias: bool, dtype: Optional[torch.dtype]) -> None:
     if bias:
-        add_param(layer, "bias", [sum(output_sizes)], dtype or torch.float32, shard_loader(output_sizes, 0, name="bias"))
+        add_param(layer, "bias", [sum(output_sizes)], dtype or torch.float32,
+                  shard_loader(output_sizes, 0, name="bias"))
     else:
         layer.register_parameter("bias", None)
 
@@ -117,7 +118,8 @@ def groups_from_values(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tenso
     """q [N, K] (0..15), zeros [N, K/G] (0..15), scales [N, K/G] -> the kept layout."""
     n, k = q.shape
     if k % 2 or zeros.shape != scales.shape or k % scales.shape[1]:
-        raise ValueError(f"4-bit weight [{n}, {k}] with {tuple(scales.shape)} group scales is not a whole number of groups")
+        raise ValueError(f"4-bit weight [{n}, {k}] with {tuple(scales.shape)} group scales "
+                         "is not a whole number of groups")
     q = q.to(torch.uint8)
     nibbles = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     return Int4Groups(nibbles, zeros.to(torch.uint8).contiguous(), scales.contiguous(), k // scales.shape[1],
@@ -128,7 +130,7 @@ def dequantize_rows(groups: Int4Groups, start: int, stop: int, dtype: torch.dtyp
     """Output rows start..stop of the weight, [rows, K] in `dtype`."""
     nib = groups.nibbles[start:stop]
     rows, half = nib.shape
-    # In place on one float buffer: 2-4x less time than out-of-place broadcasting (measured).
+    # In place on one float buffer: no temporaries, unlike out-of-place broadcasting.
     w = torch.stack((nib & 0xF, nib >> 4), dim=-1).view(rows, -1, groups.group_size).float()
     w.sub_(groups.zeros[start:stop].unsqueeze(-1)).mul_(groups.scales[start:stop].unsqueeze(-1))
     return w.view(rows, 2 * half).to(dtype)

@@ -54,7 +54,7 @@ class QuantKernels:
     def of(cls, kernels: Union["QuantKernels", Mapping[str, Callable[..., Any]], None]) -> "QuantKernels":
         """From a mapping by kernel name (unknown names are a ValueError, so a misspelt one cannot
         silently leave the torch path on)."""
-        if isinstance(kernels, cls):
+        if isinstance(kernels, QuantKernels):
             return kernels
         given = dict(kernels or {})
         unknown = sorted(set(given) - {f.name for f in fields(cls)})

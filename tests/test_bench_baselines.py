@@ -193,6 +193,9 @@ def test_bench_with_a_stand_in_baseline(tmp_path, fake_runner, monkeypatch, caps
     assert entry["baseline"]["ratio_output_tok_s"] == pytest.approx(entry["tokenmill"]["output_tok_s"] / 128.0)
     assert result["baseline"]["ok"] and result["baseline"]["engine_version"] == "1.0"
     assert result["baseline"]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    # what docs/benchmarks.md shows beside the figures (entrypoints/bench_report.py)
+    assert result["command"].startswith("tokenmill bench throughput --workload W3 --num-requests 2 ")
+    assert result["host"]["cores"] >= 1 and result["date"]
     if importlib.util.find_spec("matplotlib") is None:
         assert "--plot skipped: matplotlib is not installed" in printed and not png.exists()
     else:
@@ -217,7 +220,8 @@ def test_bench_reports_a_missing_baseline_and_keeps_its_numbers(tmp_path, capsys
 REAL = os.environ.get("TOKENMILL_BASELINE_TESTS") == "1"
 
 
-@pytest.mark.skipif(not REAL or not os.path.exists(ext.DEFAULT_PYTHON["vllm"]) or not os.path.isdir(ext.DEFAULT_VLLM_MODEL),
+@pytest.mark.skipif(not REAL or not os.path.exists(ext.DEFAULT_PYTHON["vllm"])
+                    or not os.path.isdir(ext.DEFAULT_VLLM_MODEL),
                     reason="set TOKENMILL_BASELINE_TESTS=1, with a vLLM venv (shared/baselines/setup_vllm.sh)")
 def test_real_vllm_baseline_w2(tmp_path, capsys):
     _real_run("vllm", tmp_path, capsys)

@@ -69,7 +69,8 @@ def _prefill_batch(prefix_blocks: int, chunks: list[int], bs: int = 16, seed: in
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("chunks,runs", [([24, 24, 24], {0: (3, 144)}), ([24, 24, 7, 7, 24], {0: (2, 144), 2: (2, 144)})])
+@pytest.mark.parametrize("chunks,runs", [([24, 24, 24], {0: (3, 144)}),
+                                         ([24, 24, 7, 7, 24], {0: (2, 144), 2: (2, 144)})])
 def test_prompt_chunks_after_a_shared_prefix_attend_to_it_once(dtype, tol, chunks, runs):
     """A shared system prompt under prefix caching: chunks of one length after the same cached
     blocks run as one cascade (prefix once for all queries, own tokens causally, merged by

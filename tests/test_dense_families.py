@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt, save_random_checkpoint
+from model_helpers import (generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt,
+                           save_random_checkpoint)
 
 from tokenmill.core.models.transformers_impl import TransformersForCausalLM
 

@@ -114,7 +114,7 @@ def test_streaming_holds_back_partial_stop(tokenizer):
     stop = "STOP"
     d = IncrementalDetokenizer(tokenizer, [], stop=[stop])
     streamed = ""
-    for i, t in enumerate(ids):
+    for t in ids:
         r = d.append([t])
         streamed += d.output_text(finished=r is not None, delta=True)
         if r is None:

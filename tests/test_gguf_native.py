@@ -34,7 +34,7 @@ MAX_RATIO = 1.10
 K_QUANT_RATIO = 1.05             # the packed tensors of one Q4_K / Q6_K weight vs its stored bytes
 PROMPT = [1, 17, 400, 23, 99, 512, 7, 1000, 3, 250, 64, 800, 5, 42, 333, 901, 11, 600, 77, 128]
 
-needs_kernels = pytest.mark.skipif(kernels_available() is not None, reason=f"no native GGUF kernels here")
+needs_kernels = pytest.mark.skipif(kernels_available() is not None, reason="no native GGUF kernels here")
 
 
 def _files(tmp_path, qtype):

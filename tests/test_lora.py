@@ -30,7 +30,7 @@ def _checkpoint(kind: str, tmp_path_factory):
         root = str(tmp_path_factory.mktemp(kind))
         base, hf, adapters = make_base_and_adapters(root, kind, 3)
         expected = {"base": hf_greedy(hf, PROMPTS, MAX_TOKENS)}
-        for i, (path, model) in enumerate(adapters):
+        for i, (_path, model) in enumerate(adapters):
             expected[f"a{i}"] = hf_greedy(model, PROMPTS, MAX_TOKENS)
         _CHECKPOINTS[kind] = (base, [path for path, _ in adapters], expected)
     return _CHECKPOINTS[kind]
@@ -162,7 +162,8 @@ def test_bad_adapters_are_refused_naming_the_problem(llama, tmp_path):
     base, paths, _ = llama
     llm = _llm(base)
     cases = [
-        (_edit_config(paths[0], str(tmp_path / "mts"), modules_to_save=["lm_head"]), "modules_to_save", "modules_to_save"),
+        (_edit_config(paths[0], str(tmp_path / "mts"), modules_to_save=["lm_head"]), "modules_to_save",
+         "modules_to_save"),
         (_edit_config(paths[0], str(tmp_path / "fc1"), target_modules=["q_proj", "fc1"]), "fc1", "target_modules"),
         (_edit_config(paths[0], str(tmp_path / "dora"), use_dora=True), "DoRA", "use_dora"),
     ]
@@ -199,7 +200,8 @@ def test_triton_op_under_the_interpreter_equals_the_torch_op():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {tests!r}); from lora_helpers import check_triton_op; check_triton_op('float32'); check_triton_op('bfloat16')"
+    code = (f"import sys; sys.path.insert(0, {tests!r}); from lora_helpers import check_triton_op; "
+            "check_triton_op('float32'); check_triton_op('bfloat16')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.count("checked 2 batches") == 2, done.stdout + done.stderr

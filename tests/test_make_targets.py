@@ -33,3 +33,15 @@ def test_make_serve_installs_only_the_runtime_dependencies(tmp_path):
 
 def test_make_test_adds_the_test_extra(tmp_path):
     assert "install -q -e '.[test]'" in dry_run("test", tmp_path)
+
+
+def test_make_test_lints_before_the_suite(tmp_path):
+    """ruff over the tree and mypy over the seams (both configured in pyproject.toml) run first."""
+    lines = dry_run("test", tmp_path).splitlines()
+    ruff = next(i for i, line in enumerate(lines) if line.endswith("/bin/ruff check ."))
+    mypy = next(i for i, line in enumerate(lines) if line.endswith("/bin/mypy"))
+    pytest_ = next(i for i, line in enumerate(lines) if " -m pytest " in line)
+    assert ruff < pytest_ and mypy < pytest_
+    test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert any(r.startswith("ruff") for r in test_extra) and any(r.startswith("mypy") for r in test_extra)
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]["files"]

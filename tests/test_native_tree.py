@@ -88,7 +88,8 @@ def test_package_data_ships_the_tree():
     patterns = data["tokenmill.platforms"]
     for path in SOURCES:
         assert any(path.relative_to(CSRC.parent).match(p) for p in patterns), path.name
-    assert "tokenmill.attention_backends" not in data or not any("csrc" in p for p in data["tokenmill.attention_backends"])
+    assert ("tokenmill.attention_backends" not in data
+            or not any("csrc" in p for p in data["tokenmill.attention_backends"]))
 
 
 def test_every_library_key_covers_the_common_header(tmp_path, monkeypatch):
@@ -142,7 +143,8 @@ def test_without_avx512_bf16_paged_prefill_answers_does_not_run(tmp_path, monkey
     kv = torch.zeros(2, 4, 16, 1, 64, dtype=torch.bfloat16)
     q = torch.ones(3, 2, 64)
     out = torch.full_like(q, 7.0)
-    tables, lens, starts = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3], dtype=torch.int32), torch.tensor([0, 3])
+    tables, lens = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    starts = torch.tensor([0, 3])
     rc = lib.paged_prefill_bf16kv(q.data_ptr(), 128, 0, kv.data_ptr(), tables.data_ptr(), 4, lens.data_ptr(),
                                   starts.data_ptr(), out.data_ptr(), 1, 2, 1, 64, 16, 4, 0.125, 1.0, 1.0)
     assert rc == -1 and bool((out == 7.0).all())

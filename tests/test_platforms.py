@@ -147,7 +147,8 @@ def test_xpu_compiled_but_no_device(monkeypatch):
     monkeypatch.setattr(xpu, "_xpu_compiled", lambda: True)
     monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
     monkeypatch.setattr(_probe, "device_nodes", lambda *p: [])
-    assert XpuPlatform.probe().reason == "torch.xpu has no devices (no /dev/dri/renderD* node: no Intel GPU driver loaded)"
+    assert XpuPlatform.probe().reason == ("torch.xpu has no devices "
+                                          "(no /dev/dri/renderD* node: no Intel GPU driver loaded)")
 
 
 def test_xpu_prefers_ipex_when_importable(monkeypatch):
@@ -188,7 +189,8 @@ class FakeDeviceModule:
     """The slice of torch.cuda's API the profiler uses, with scripted figures."""
 
     def __init__(self, total, used_by_others, weights, activation_peak, context=300 * MiB):
-        self.total, self.others, self.weights, self.act, self.context = total, used_by_others, weights, activation_peak, context
+        self.total, self.others, self.weights = total, used_by_others, weights
+        self.act, self.context = activation_peak, context
         self.allocated = weights
         self.peak = weights
         self.reserved = weights

@@ -55,8 +55,10 @@ def test_builtins_come_through_their_entry_point_groups():
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
         discovery.model_architectures())
     assert "gguf" in discovery.quantization_methods()
-    assert set(discovery.tool_parsers()) == {"hermes", "llama3_json", "mistral", "pythonic"}
-    assert set(discovery.reasoning_parsers()) == {"qwen3", "deepseek_r1"}
+    assert set(discovery.tool_parsers()) == {"hermes", "llama3_json", "mistral", "pythonic", "granite",
+                                                 "phi4_mini_json", "glm45", "cohere_command3"}
+    assert set(discovery.reasoning_parsers()) == {"qwen3", "deepseek_r1", "glm45", "granite",
+                                                      "cohere_command3"}
     assert set(discovery.grammar_backends()) == {"xgrammar", "guidance"}
 
 
@@ -257,7 +259,8 @@ def test_third_party_package_every_kind(test_plugins):
     kinds = {(r.kind, r.name): r for r in discovery.extension_reports()}
     for kind in ("platform", "attention_backend", "model_architecture", "tool_parser", "reasoning_parser",
                  "grammar_backend", "hook"):
-        assert any(k == kind and r.package == "tokenmill-testplatform" and r.loaded for (k, _), r in kinds.items()), kind
+        assert any(k == kind and r.package == "tokenmill-testplatform" and r.loaded
+                   for (k, _), r in kinds.items()), kind
     assert kinds[("hook", "testplatform_events")].detail == "hooks: tokenmill_request_event"
 
 

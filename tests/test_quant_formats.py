@@ -43,7 +43,7 @@ def _assert_logits_match(bundle, reference, rel: float = 1e-4) -> None:
 
 def _quantized_layer_bytes(model) -> int:
     total = 0
-    for name, module in model.named_modules():
+    for _name, module in model.named_modules():
         if isinstance(module, Linear):
             total += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
             total += sum(t.numel() * t.element_size() for t in module.buffers(recurse=False) if t is not None)

@@ -134,7 +134,8 @@ def test_hostile_bodies_do_not_stall_another_client(server):
 
 
 def test_surrogate_in_chat_and_messages_is_400(api):
-    body = b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi \\ud83d"}], "max_tokens": 2}'
+    body = (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi \\ud83d"}], '
+            b'"max_tokens": 2}')
     r = api.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert _error(r)["code"] == "invalid_json"
     r = api.post("/v1/messages", content=body, headers={"Content-Type": "application/json"})

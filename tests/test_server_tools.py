@@ -100,4 +100,4 @@ def test_an_unknown_parser_name_is_a_startup_error():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--tool-call-parser 'nope' is not a registered tool parser" in done.stderr
-    assert "hermes, llama3_json, mistral, pythonic" in done.stderr
+    assert "hermes, llama3_json, mistral, phi4_mini_json, pythonic" in done.stderr

@@ -1,8 +1,9 @@
-"""Structured outputs (issue 11): grammar-constrained decoding with the built-in backends.
+r"""Structured outputs (issue 11): grammar-constrained decoding with the built-in backends.
 
-Offline through `LLM` on the default model, once per grammar backend (xgrammar, guidance) (constrained and free rows in one batch, greedy and
-random), and through `tokenmill serve` with the official openai SDK (response_format,
-`parse(response_format=PydanticModel)`, vLLM's structured_outputs body field, 400s).
+Offline through `LLM` on the default model, once per grammar backend (xgrammar, guidance)
+(constrained and free rows in one batch, greedy and random), and through `tokenmill serve` with
+the official openai SDK (response_format, `parse(response_format=PydanticModel)`, vLLM's
+structured_outputs body field, 400s).
 Issue 32: a `$ref` outside the schema is a 400 however the schema arrives (never fetched, never
 unconstrained), and regexes (`regex`, a schema's `pattern`, Lark terminals) are ECMA-262's on
 both backends (`\d` is [0-9]: llguidance's own took '🯸' for a digit).
@@ -361,7 +362,8 @@ def test_backend_choice_and_unknown_backend():
     assert resolve_backend_name("auto") == "xgrammar"
     assert resolve_backend_name("guidance") == "guidance"
     assert EngineConfig.from_kwargs().model.structured_outputs_backend == "auto"
-    assert EngineConfig.from_kwargs(structured_outputs_backend="guidance").model.structured_outputs_backend == "guidance"
+    config = EngineConfig.from_kwargs(structured_outputs_backend="guidance")
+    assert config.model.structured_outputs_backend == "guidance"
     for make in (lambda: EngineConfig.from_kwargs(structured_outputs_backend="nope"),
                  lambda: StructuredOutputs(None, 0, (), backend="nope")):
         with pytest.raises(ValueError, match="structured_outputs_backend") as e:

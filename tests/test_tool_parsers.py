@@ -164,12 +164,12 @@ def test_the_builtins_are_registered_and_unknown_names_are_refused_with_the_know
     assert discovery.tool_parsers()["hermes"] is HermesToolParser
     assert discovery.reasoning_parsers()["deepseek_r1"] is DeepSeekR1ReasoningParser
     assert parser_class("tool_parser", "pythonic") is PythonicToolParser and parser_class("tool_parser", None) is None
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, phi4_mini_json, pythonic"):
         parser_class("tool_parser", "nope")
     import argparse
 
     from tokenmill.entrypoints.openai.serve_cmd import check_parser_args
-    with pytest.raises(SystemExit, match="--reasoning-parser 'nope'.*deepseek_r1, qwen3"):
+    with pytest.raises(SystemExit, match="--reasoning-parser 'nope'.*deepseek_r1, glm45, granite, qwen3"):
         check_parser_args(argparse.Namespace(enable_auto_tool_choice=False, tool_call_parser=None,
                                              reasoning_parser="nope"))
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice needs --tool-call-parser"):

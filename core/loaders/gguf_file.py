@@ -1,8 +1,8 @@
 """A lean GGUF reader: metadata, tensor table and memory-mapped tensor bytes.
 
 Why not `gguf.GGUFReader`: it materializes a numpy view per array element, which for a
-49k-token vocabulary plus its merge table costs ~3 s of pure Python on these CPUs before
-any weight is touched. Here metadata is parsed with `struct` once, string arrays are only
+49k-token vocabulary plus its merge table costs seconds of pure Python before any weight is
+touched. Here metadata is parsed with `struct` once, string arrays are only
 decoded when asked for (the tokenizer needs them), and tensor data stays in the mmap until
 dequantized. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """

@@ -73,7 +73,7 @@ def hf_architecture(gguf: GGUFFile) -> tuple[str, str]:
 def _architecture_config(model_type: str, kwargs: dict[str, Any]) -> Any:
     """The config object: a plain PretrainedConfig holding exactly the values the GGUF states,
     when those are all the model needs. Importing transformers' per-architecture config modules
-    costs 2-3 s of start-up (they pull in torch.distributed.tensor through transformers'
+    costs seconds of start-up (they pull in torch.distributed.tensor through transformers'
     kernels integration) for nothing but defaults. Sliding windows and rope scaling keep the
     architecture's own class: its derived fields (layer_types, rope_parameters) matter there."""
     if "sliding_window" in kwargs or "rope_scaling" in kwargs:

@@ -200,7 +200,8 @@ def load_model(config: EngineConfig, platform: PlatformLike,
             # Dequantizing is the exact mode (token-identical to transformers on this GGUF); say
             # what the file's own blocks would cost, since that is what llama.cpp users expect.
             logger.info("GGUF %s dequantized to %s at load; --quantization gguf keeps its blocks (%.1f MiB) "
-                        "on native kernels", os.path.basename(meta.source.path), str(weight_dtype).replace("torch.", ""),
+                        "on native kernels", os.path.basename(meta.source.path),
+                        str(weight_dtype).replace("torch.", ""),
                         os.path.getsize(meta.source.path) / 2**20)
         load_weights(net, gguf_loader.iterate_gguf_weights(meta.gguf, meta.hf_config), GGUFQuantization())
     elif isinstance(net, TransformersForCausalLM):      # transformers' own loading (key renames, tied heads)

@@ -90,7 +90,8 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     raise LoRAAdapterError(f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
 
 
-def _check_config(config: dict[str, Any], path: str, max_rank: int, targets: dict[str, LoRATarget]) -> tuple[int, float]:
+def _check_config(config: dict[str, Any], path: str, max_rank: int,
+                  targets: dict[str, LoRATarget]) -> tuple[int, float]:
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise LoRAAdapterError(f"adapter {path!r} is a {peft_type} adapter; only LoRA adapters are supported")

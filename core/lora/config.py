@@ -21,7 +21,8 @@ class LoRAConfig:
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
             raise ValueError(f"max_loras must be an integer >= 1, got {self.max_loras!r}")
         if not isinstance(self.max_lora_rank, int) or not 1 <= self.max_lora_rank <= MAX_LORA_RANK_LIMIT:
-            raise ValueError(f"max_lora_rank must be an integer in 1..{MAX_LORA_RANK_LIMIT}, got {self.max_lora_rank!r}")
+            raise ValueError(f"max_lora_rank must be an integer in 1..{MAX_LORA_RANK_LIMIT}, "
+                             f"got {self.max_lora_rank!r}")
         if self.max_cpu_loras is not None:
             if not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < 1:
                 raise ValueError(f"max_cpu_loras must be an integer >= 1, got {self.max_cpu_loras!r}")

@@ -32,8 +32,8 @@ class LoRAManager:
                  add_lora: Optional[AddLoRA] = None) -> None:
         self.config = config
         self.device = device
-        self.targets: dict[str, LoRATarget] = lora_targets(getattr(model, "packed_modules_mapping", {}),
-                                                             getattr(model, "lora_plain_modules", ("o_proj", "down_proj")))
+        plain = getattr(model, "lora_plain_modules", ("o_proj", "down_proj"))
+        self.targets: dict[str, LoRATarget] = lora_targets(getattr(model, "packed_modules_mapping", {}), plain)
         self.context = LoRAContext()
         self.layers: dict[str, LoRALayer] = {}
         suffixes = {t.layer_suffix for t in self.targets.values()}

@@ -17,8 +17,9 @@ import torch
 class LoRAMapping:
     """Rows grouped by slot, slots in increasing order. `token_indices` lists the adapted rows, group g's at
     [group_starts[g], group_starts[g] + group_lens[g]); `slots[g]` is its slot. `padded_rows`
-    [G, max_len] are the same rows padded (with row 0) for a batched bmm, `padding` marks the pads. `contiguous`: (slot, lo, hi) when one slot's rows are the
-    whole adapted set and consecutive (one adapter in the batch): two plain matmuls then."""
+    [G, max_len] are the same rows padded (with row 0) for a batched bmm, `padding` marks the pads.
+    `contiguous`: (slot, lo, hi) when one slot's rows are the whole adapted set and consecutive (one
+    adapter in the batch): two plain matmuls then."""
     num_rows: int
     slot_list: list[int]
     slots: torch.Tensor

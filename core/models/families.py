@@ -108,8 +108,8 @@ class GlmForCausalLM(LlamaForCausalLM):
 class Glm4ForCausalLM(GlmForCausalLM):
     """GLM-4-0414: GLM with norms after attention and after the FFN as well (its own names)."""
     norm_placement = "sandwich"
-    norm_names: ClassVar[dict[str, str]] = {"attn_out": "post_self_attn_layernorm", "ffn_in": "post_attention_layernorm",
-                                            "ffn_out": "post_mlp_layernorm"}
+    norm_names: ClassVar[dict[str, str]] = {"attn_out": "post_self_attn_layernorm",
+                                            "ffn_in": "post_attention_layernorm", "ffn_out": "post_mlp_layernorm"}
     features = _eager("GPT-J pair rotary over part of the head, sandwich norms")
 
 

@@ -95,8 +95,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SamplingRow],
 
 
 @torch.inference_mode()
-def verify(logits: torch.Tensor, rows: Sequence[SamplingRow], groups: Sequence[tuple[list[int], Optional[torch.Tensor]]],
-           sampler: Sampler) -> SamplerOutput:
+def verify(logits: torch.Tensor, rows: Sequence[SamplingRow],
+           groups: Sequence[tuple[list[int], Optional[torch.Tensor]]], sampler: Sampler) -> SamplerOutput:
     """Rejection sampling for sequences whose rows verify drafts. `rows` are the sequences' rows one
     after the other (len(drafts) + 1 each, as Speculator.sampling_rows builds them) and `logits`
     theirs; `groups` gives each sequence's drafts and their q ([len(drafts), V]; None: one-hot).

@@ -64,7 +64,9 @@ def main() -> None:
             profile.disable()
         natives.append(sum(native))
     over = [s - n for s, n in zip(steps, natives)]
-    ms = lambda v: statistics.median(v) * 1e3
+    def ms(v):
+        return statistics.median(v) * 1e3
+
     print(f"{len(steps)} decode steps: step {ms(steps):.2f} ms (median), native {ms(natives):.2f} ms, "
           f"overhead (Python and dispatch) {ms(over):.3f} ms median, {min(over) * 1e3:.3f} ms min; "
           f"{1 / statistics.median(steps):.1f} tok/s")

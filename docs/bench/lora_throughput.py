@@ -15,6 +15,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -113,6 +114,8 @@ def main() -> int:
           f"({args.num_adapters} adapters of rank {args.rank}, {len(prompts) // args.num_adapters} requests each)")
     print(f"mixed / base = {result['mixed_over_base']:.2f}")
     if args.json:
+        from tokenmill.entrypoints.bench_record import run_record
+        result.update(run_record("python docs/bench/lora_throughput.py " + shlex.join(sys.argv[1:])))
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0

@@ -85,8 +85,8 @@ def main() -> None:
     if args.tokenizer == "DEFAULT":
         from tokenmill.core.loaders.model_source import resolve_model_source
         args.tokenizer = resolve_model_source(None).path
-    llm = LLM(model=args.model, tokenizer=args.tokenizer, quantization=args.quantization, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=2048)
+    llm = LLM(model=args.model, tokenizer=args.tokenizer, quantization=args.quantization, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, max_model_len=2048)
     if args.path == "int4-kernel":
         from tokenmill.quantization.cpu_int4 import CpuInt4Quantization
         for module in llm.engine.bundle.model.modules():

@@ -164,7 +164,7 @@ def run_baseline(engine: str, python: str, spec: dict[str, Any], runner: Optiona
             result.error += (" (llama.cpp's AMX kernels do this on some machines: try --baseline-no-extra-bufts, "
                              "or --baseline-python of a build without them: CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
                              "-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON "
-                             "-DGGML_AMX_INT8=OFF\", docs/benchmarks.md)")
+                             "-DGGML_AMX_INT8=OFF\")")
     elif returncode != 0:
         result.error = f"the {LABELS[engine]} runner exited with status {returncode}"
     elif missing and not result.error:

@@ -57,7 +57,7 @@ def main(spec_path, out_path):
         n_out = int(w["output_len"])
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
 
-        def go(prompts):
+        def go(prompts, params=params):
             requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
             llm.reset_prefix_cache()
             start = time.perf_counter()

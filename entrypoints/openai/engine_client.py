@@ -38,7 +38,7 @@ logger = logging.getLogger("tokenmill.serve")
 
 def _import_tokenizer_modules() -> None:
     """Import what unpickling the engine's tokenizer needs while the engine process is still
-    loading the model: done after the "ready" message, it adds ~1 s to start-up."""
+    loading the model: done after the "ready" message, it would add its import time to start-up."""
     try:
         import transformers.tokenization_utils_fast  # noqa: F401
     except ImportError:      # a factory whose tokenizer is not a transformers one
@@ -108,7 +108,8 @@ class EngineClient:
                     status, payload = parent_conn.recv()
                 except EOFError:
                     self._proc.join(5)
-                    raise RuntimeError(f"engine process exited during start-up (exit code {self._proc.exitcode})")
+                    raise RuntimeError(
+                        f"engine process exited during start-up (exit code {self._proc.exitcode})") from None
                 if status == "failed":
                     self._proc.join(5)
                     raise RuntimeError("engine failed to start:\n" + payload)

@@ -37,7 +37,8 @@ def error_response(err: E.APIError, anthropic: bool = False) -> JSONResponse:
 
 class Guard:
     """Pure-ASGI middleware: API-key check on /v1/*, /tokenize, /detokenize, /dashboard/data
-    (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); body-size limit (413). Errors under /v1/messages have Anthropic's shape.
+    (`Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`); body-size limit (413). Errors under
+    /v1/messages have Anthropic's shape.
 
     Pure ASGI rather than FastAPI middleware so that a refused request never reaches routing
     and an oversized chunked upload is cut off while it is being read."""

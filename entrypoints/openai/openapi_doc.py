@@ -80,5 +80,5 @@ def install(app: FastAPI) -> None:
         if app.openapi_schema is None:
             app.openapi_schema = build(app)
         return app.openapi_schema
-    setattr(app, "openapi", openapi)
+    app.openapi = openapi
 

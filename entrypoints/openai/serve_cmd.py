@@ -77,10 +77,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "'auto' (needs --tool-call-parser)")
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the tool-call format of the model: a registered tool parser (built-in: hermes, "
-                            "llama3_json, mistral, pythonic; `tokenmill plugins` lists all)")
+                            "llama3_json, mistral, pythonic, granite, phi4_mini_json, glm45, cohere_command3; "
+                            "`tokenmill plugins` lists all)")
     tools.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split the model's reasoning into reasoning_content: a registered reasoning "
-                            "parser (built-in: qwen3, deepseek_r1)")
+                            "parser (built-in: qwen3, deepseek_r1, glm45, granite, cohere_command3)")
 
 
 def api_keys_from(args: argparse.Namespace, parser: Any = None) -> list[str]:
@@ -206,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
     check_parser_args(args)
     check_vllm_args(getattr(args, "_cli_parser", None) or argparse.ArgumentParser("tokenmill serve"), args)
     kwargs = serving_engine_kwargs(args)
-    names = args.served_model_name or []
     if args.max_waiting_requests is not None:
         if args.max_waiting_requests < 0:
             raise SystemExit("--max-waiting-requests must be >= 0")

@@ -366,10 +366,9 @@ inline void bf16_block2(const FusedLinear& w, int64_t b, const QuantizedInput& i
 // AMX (Sapphire Rapids and later): bf16 steps of kAmxTokens+ tokens as 16 x 16 float32 tiles,
 // C += A (16 tokens x 32 inputs) . B (16 input pairs x 16 rows x 2). The BF16 weight layout
 // [block][K/2][16][2] is already B's: a block's 16 pairs of a 32-input chunk are 1 KiB, 64 bytes
-// a pair row. On a 2-core Xeon, where vdpbf16ps ran at ~220 GFLOP/s whatever the rows, 3072 x 576
-// took 1683 GFLOP/s at 64 rows (oneDNN's own AMX GEMM: 869) and 1126 at 16; one row reads the
-// weights as fast as the vector path, so every row count takes the tiles and a row's result does
-// not depend on its batch.
+// a pair row. The tiles outrun vdpbf16ps (whose rate does not grow with rows) and oneDNN's own
+// AMX GEMM from 16 rows up (`tokenmill bench gemm`); one row reads the weights as fast as the
+// vector path, so every row count takes the tiles and a row's result does not depend on its batch.
 constexpr int64_t kAmxTokens = 1;
 
 using tm::amx_ready;

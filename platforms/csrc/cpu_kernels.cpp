@@ -228,7 +228,7 @@ void dequantize_int32(const int32_t* acc, const float* token_scale, const float*
   // the int8 product left out, multiplied here in float32 while the output is in registers (a
   // separate K = 16 GEMM wrote and re-read a float32 [rows, cols] tensor for them). Tiles of 4
   // rows x 64 columns: each outlier weight vector loaded once for 4 rows (a row at a time
-  // re-read and re-wrote its output once per outlier: 5.8 vs 1.4 ms at 2048 x 3072 here).
+  // re-read and re-wrote its output once per outlier, several times slower).
 #if TM_AVX512F
   const int64_t chunks = cols / 64, row_tiles = (rows + 3) / 4;
 #pragma omp parallel for schedule(static) collapse(2)

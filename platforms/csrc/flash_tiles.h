@@ -240,8 +240,8 @@ constexpr int64_t kAmxRows = 16;   // query rows per AMX tile
 // tile's B layout already), the online softmax on vectors (exp by exp2 polynomial: glibc's vector
 // expf and torch's Sleef exp were half of torch's flash time), P rounded to bf16 as one 16 x 32
 // A tile, P.V into fresh tiles (V's key pairs x D x 2 is B's layout), added to the float32
-// accumulators after their rescale. torch's own flash runs on AMX too (its Sleef exp half its
-// time): a 2048-token causal SmolLM2 prompt took 7.0 ms here against its 9.5 (2-core Xeon).
+// accumulators after their rescale. torch's own flash runs on AMX too, its Sleef exp half its
+// time (`tokenmill bench attention` compares them).
 
 // attend_tile_amx for D = 64, with P.V accumulated in four resident tiles (4-7: 16 rows x 64
 // dims of float32) instead of stored, rescaled and added on vectors every pass, and a lazy
@@ -250,8 +250,6 @@ constexpr int64_t kAmxRows = 16;   // query rows per AMX tile
 // float32 sums and bf16's range), so the rescale — tiles stored, rows scaled, tiles reloaded — is
 // rare, and no pass needs a horizontal max. Scores stay in base 2: t = s * scale * log2(e).
 // (D = 128 would need all eight tiles as accumulators: it stays on attend_tile_amx's loop.)
-// A 2048-token causal prompt, 9/3 heads, AMX host (2026-12-03, both kernels in one process):
-// 14.1 ms on 1 thread, 7.1 on 2; the general kernel below 19.9 and 10.9.
 
 // The query tile as AMX loads it: in place when all 16 rows are real, else copied into `pad`
 // with zero rows. Returns its first byte; *stride_bytes its row stride.

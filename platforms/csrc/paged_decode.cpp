@@ -378,8 +378,8 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
 
 #if TM_AVX512_BF16
 // decode<uint16_t, D> on AVX512-BF16 dot products: K and V rows are read straight from their
-// blocks (the float32 loops widen every row into a buffer first, and a W1 decode step (64 x 192
-// positions, 30 layers, 283 MB of K/V) ran at 17 GB/s of the 37 this VM reads). The query and
+// blocks (the float32 loops widen every row into a buffer first, and a long-context decode step
+// read its K/V at half the machine's memory bandwidth that way). The query and
 // the probabilities are split into two bf16 halves each (x = hi + lo, ~16 significant bits), so
 // scores and outputs stay within ~1e-6 of the float32 loops'; the softmax itself is float32.
 // q . k: 16 positions per head as in qk_scores; P . V: pairs of V rows interleaved in registers
@@ -729,9 +729,9 @@ inline void widen_bf16(const KV* src, int64_t n, uint16_t* dst) {
 // shared_prefix on bf16 dot products for a bf16 cache: the prefix's blocks gathered and re-laid
 // out once (flash_tiles.h's pair layouts), each KV head's queries (every row's heads of its
 // group, rounded to bf16 as the prompt kernels round them) in tiles over it: AMX tiles of 16
-// where the CPU has them, else AVX512-BF16 tiles of 8. 64 rows x 512 shared positions (W3) was
-// the float32 kernel's 14-20 % of a run; on a 2-core EPYC without AMX a layer's prefix took
-// 0.38 ms there. (Without AVX512-BF16 the caller keeps the float32 kernel.)
+// where the CPU has them, else AVX512-BF16 tiles of 8. With many rows over a long shared prefix
+// (W3) the float32 kernel was a sizeable share of a run. (Without AVX512-BF16 the caller keeps
+// the float32 kernel.)
 template <typename KV, int D>
 bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int64_t prefix_len,
                         int64_t block_size, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t v_offset,

@@ -92,8 +92,9 @@ class CallScan:
         return text[self.args_start:self.args_end] if isinstance(value, dict) else json.dumps(value)
 
 
-def scan_call(text: str, start: int) -> CallScan:
-    """Scan the tool-call object whose '{' is text[start]."""
+def scan_call(text: str, start: int, name_keys: tuple[str, ...] = ("name",)) -> CallScan:
+    """Scan the tool-call object whose '{' is text[start]; the function's name is under one of
+    `name_keys` (Cohere's calls say "tool_name")."""
     res = CallScan()
     n = len(text)
     i = skip_ws(text, start + 1)
@@ -124,9 +125,11 @@ def scan_call(text: str, start: int) -> CallScan:
                 return res
             end = value_end(text, i)
             if key in ARGUMENT_KEYS and res.args_start is None:
+                if end is not None:
+                    json.loads(text[i:end])      # a complete value that is not JSON: invalid
                 res.args_start, res.args_end = i, end
                 res.name_after_args = res.name is None
-            elif key == "name" and end is not None:
+            elif key in name_keys and end is not None:
                 name = json.loads(text[i:end])
                 if not isinstance(name, str):
                     res.invalid = True

@@ -67,24 +67,51 @@ class HermesToolParser(IncrementalToolParser):
 
 
 class _JsonObjectsParser(IncrementalToolParser):
-    """Call objects after a marker (or at the very start), separated by `sep`, optionally in a list."""
-    marker = ""
+    """Call objects after a marker (or at the very start, with `bare_start`), separated by `sep`,
+    optionally in a list, optionally closed by `end_marker`. A marker that is not followed by the
+    calls' opener is ordinary text."""
+    markers: tuple[str, ...] = ()
     sep = ","
     in_list = False
+    bare_start = True                  # calls at the very start of the output need no marker
+    end_marker = ""                    # after the calls (optional: the output may end first)
+    name_keys: tuple[str, ...] = ("name",)
+
+    @property
+    def opener(self) -> str:
+        return "[" if self.in_list else "{"
+
+    def _marker_start(self, text: str, final: bool) -> Optional[tuple[int, Optional[int]]]:
+        """The first marker followed by the opener: (where the marker is, where the opener is, or
+        None when the text ends after the marker)."""
+        best: Optional[tuple[int, Optional[int]]] = None
+        for marker in self.markers:
+            pos = 0
+            while (at := text.find(marker, pos)) >= 0:
+                j = skip_ws(text, at + len(marker))
+                if (j < len(text) and text[j] == self.opener) or (j >= len(text) and not final):
+                    if best is None or at < best[0]:
+                        best = (at, j if j < len(text) else None)
+                    break
+                pos = at + 1
+        return best
+
+    def _held(self, text: str, final: bool) -> int:
+        """How much of the end of `text` may still become a marker."""
+        return 0 if final else max((partial_tag_len(text, m) for m in self.markers), default=0)
 
     def _start(self, text: str, final: bool) -> tuple[str, Optional[int]]:
         """(content before the calls, where the calls start; None: no calls, or not known yet)."""
-        at = text.find(self.marker)
-        if at >= 0:
-            return text[:at], at + len(self.marker)
         stripped = text.lstrip()
-        opener = "[" if self.in_list else "{"
-        if stripped.startswith(opener):
-            return "", len(text) - len(stripped)
-        if not final and (not stripped or (partial_tag_len(stripped, self.marker) == len(stripped))):
+        lead = len(text) - len(stripped)
+        found = self._marker_start(text, final)
+        if self.bare_start and stripped.startswith(self.opener) and (found is None or found[0] > lead):
+            return "", lead           # the calls start the output (a marker comes later, if at all)
+        if found is not None:
+            return text[:found[0]], found[1]
+        if not final and (not stripped or any(partial_tag_len(stripped, m) == len(stripped) for m in self.markers)):
             return "", None           # could still become the marker or the opener
-        held = 0 if final else partial_tag_len(text, self.marker)
-        return text[:len(text) - held], None
+        return text[:len(text) - self._held(text, final)], None
 
     def view(self, text: str, final: bool) -> ToolView:
         content, i = self._start(text, final)
@@ -102,7 +129,7 @@ class _JsonObjectsParser(IncrementalToolParser):
         while i < n:
             if text[i] != "{":
                 return ToolView(content, calls, failed=True)
-            scan = scan_call(text, i)
+            scan = scan_call(text, i, self.name_keys)
             if scan.invalid or (final and not _valid(scan, text, i)):
                 return ToolView(content, calls, failed=True)
             calls.append(_call(scan, text))
@@ -117,6 +144,12 @@ class _JsonObjectsParser(IncrementalToolParser):
             break
         else:
             return ToolView(content, calls, failed=final)
+        if self.end_marker:
+            i = skip_ws(text, i)
+            if text.startswith(self.end_marker, i):
+                i += len(self.end_marker)
+            elif not final and self.end_marker.startswith(text[i:]):
+                i = n
         if text[i:].strip():          # text after the calls
             return ToolView(content, calls, failed=True)
         return ToolView(content, calls)
@@ -125,7 +158,7 @@ class _JsonObjectsParser(IncrementalToolParser):
 class Llama3JsonToolParser(_JsonObjectsParser):
     """Llama 3.1/3.2 JSON tool calls: `<|python_tag|>` (optional), then `{"name": ..., "parameters":
     {...}}` objects separated by `;`. Text that does not start with them is content."""
-    marker = "<|python_tag|>"
+    markers = ("<|python_tag|>",)
     sep = ";"
 
 
@@ -133,7 +166,7 @@ class MistralToolParser(_JsonObjectsParser):
     """Mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`. The marker is a
     special token, dropped unless skip_special_tokens is false, so a list at the start of the output
     without it is read as tool calls too."""
-    marker = "[TOOL_CALLS]"
+    markers = ("[TOOL_CALLS]",)
     in_list = True
 
 
@@ -178,33 +211,68 @@ def _py_value_end(text: str, i: int) -> Optional[int]:
 
 
 def _json_arg(key: str, value: Any) -> str:
-    return f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False)}"
+    return f"{json.dumps(key)}: {json.dumps(value, ensure_ascii=False, allow_nan=False)}"
 
 
 class PythonicToolParser(IncrementalToolParser):
     """A Python list of calls with keyword arguments, `[get_weather(city="Paris"), now()]` (Llama 3.2
-    and 4's pythonic format, ToolACE); the whole output is the list, or it is all content."""
+    and 4's pythonic format, ToolACE, Gemma 3 prompted for it): the whole output is the list, or it
+    is all content. Gemma also fences its calls: "```tool_code" then the list or bare calls (one or
+    more) then "```", with any text before the fence as content (a fence the output ends inside of,
+    after complete calls, still counts)."""
+    fence = "```tool_code"
 
     def view(self, text: str, final: bool) -> ToolView:
         stripped = text.lstrip()
         i = len(text) - len(stripped)
-        if not _START.match(stripped):
-            m = _MAYBE_START.match(stripped)
-            if not final and (not stripped or (m is not None and m.end() == len(stripped))):
-                return ToolView("", [])
-            return ToolView(text, [])
+        if _START.match(stripped):
+            calls, end, failed = self._calls(text, i + 1, final, bracket=True)
+            if end is None or failed:
+                return ToolView("", calls, failed=failed)
+            return ToolView("", calls, failed=bool(text[end:].strip()))
+        at = text.find(self.fence)
+        if at >= 0:
+            return self._fenced(text, at, final)
+        m = _MAYBE_START.match(stripped)
+        if not final and (not stripped or (m is not None and m.end() == len(stripped))):
+            return ToolView("", [])
+        return ToolView(text[:len(text) - (0 if final else partial_tag_len(text, self.fence))], [])
+
+    def _fenced(self, text: str, at: int, final: bool) -> ToolView:
+        content, n = text[:at], len(text)
+        j = at + len(self.fence)
+        line_end = text.find("\n", j)
+        if line_end < 0 or text[j:line_end].strip():      # the fence line holds nothing else
+            return ToolView(content, [], failed=final or bool(text[j:].strip()))
+        i = skip_ws(text, line_end + 1)
+        if i >= n:
+            return ToolView(content, [], failed=final)
+        bracket = text[i] == "["
+        calls, end, failed = self._calls(text, i + 1 if bracket else i, final, bracket)
+        if end is None or failed:
+            return ToolView(content, calls, failed=failed)
+        k = skip_ws(text, end)
+        if text.startswith("```", k):
+            k += 3
+        elif not final and "```".startswith(text[k:]):
+            k = n
+        return ToolView(content, calls, failed=bool(text[k:].strip()))
+
+    def _calls(self, text: str, i: int, final: bool, bracket: bool) -> tuple[list[PartialCall], Optional[int], bool]:
+        """The calls from text[i] on (after the '[' when `bracket`): (calls so far, where the list
+        ends -- after its ']', or where bare calls stop -- or None when the text ends first, failed)."""
         calls: list[PartialCall] = []
         n = len(text)
-        i = skip_ws(text, i + 1)
+        i = skip_ws(text, i)
         while i < n:
             m = _IDENT.match(text, i)
             if m is None:
-                return ToolView("", calls, failed=True)
+                return calls, None, True
             j = skip_ws(text, m.end())
             if j >= n:
                 break
             if text[j] != "(":
-                return ToolView("", calls, failed=True)
+                return calls, None, True
             call = PartialCall(m.group(0), "{")     # reported once it is seen to take keyword arguments
             parts: list[str] = []
             j = skip_ws(text, j + 1)
@@ -216,22 +284,21 @@ class PythonicToolParser(IncrementalToolParser):
                 kw = _KWARG.match(text, j)
                 if kw is None:
                     if _PARTIAL_KWARG.fullmatch(text, j):
-                        return ToolView("", calls, failed=final)
-                    return ToolView("", calls, failed=True)     # a positional argument
+                        return calls, None, final
+                    return calls, None, True     # a positional argument
                 if not calls or calls[-1] is not call:
                     calls.append(call)
                 end = _py_value_end(text, kw.end())
                 if end is None:
                     break
-                try:
-                    value = ast.literal_eval(text[kw.end():end].strip())
-                except (ValueError, SyntaxError):
-                    return ToolView("", calls, failed=True)
-                parts.append(_json_arg(kw.group(1), value))
+                try:     # a Python literal that JSON has (not bytes, sets, complex, inf)
+                    parts.append(_json_arg(kw.group(1), ast.literal_eval(text[kw.end():end].strip())))
+                except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                    return calls, None, True
                 call.arguments = "{" + ", ".join(parts)
                 j = skip_ws(text, end + 1 if text[end] == "," else end)
             if not call.done:
-                return ToolView("", calls, failed=final)
+                return calls, None, final
             if not calls or calls[-1] is not call:
                 calls.append(call)
             call.arguments += "}"
@@ -239,10 +306,14 @@ class PythonicToolParser(IncrementalToolParser):
             if i < n and text[i] == ",":
                 i = skip_ws(text, i + 1)
                 continue
-            if i < n and text[i] == "]":
-                if text[i + 1:].strip():
-                    return ToolView("", calls, failed=True)
-                return ToolView("", calls)
-            if i < n:
-                return ToolView("", calls, failed=True)
-        return ToolView("", calls, failed=final)
+            if bracket:
+                if i < n and text[i] == "]":
+                    return calls, i + 1, False
+                if i < n:
+                    return calls, None, True
+                break
+            if i >= n:
+                return calls, (n if final else None), False
+            if text[i] == "`":
+                return calls, i, False
+        return calls, None, final
