@@ -45,6 +45,11 @@ class GeluSpecForCausalLM(BiasedQkNormForCausalLM):
         return spec
 
 
+# Its windowed and global layers would otherwise get a block table each (hybrid KV, core/kv_groups.py),
+# which decode programs do not read: one table for all layers keeps the fast program.
+ONE_TABLE = {"disable_hybrid_kv_cache_manager": True}
+
+
 def _register(monkeypatch, cls: type) -> None:
     known = dict(discovery.model_architectures())
     known[cls.__name__] = cls
@@ -75,7 +80,7 @@ def test_a_new_family_in_the_existing_vocabulary_decodes_through_the_fast_progra
     _register(monkeypatch, BiasedQkNormForCausalLM)
     path = _checkpoint(tmp_path, "BiasedQkNormForCausalLM")
     prompts = [[5 + (7 * i + j) % 900 for j in range(9 + 5 * i)] for i in range(4)]
-    fast = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+    fast = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE)
     runner = fast.engine.runner
     assert hasattr(runner.forward, "fused_step"), runner.fast_path_report()
     report = runner.fast_path_report()
@@ -84,7 +89,7 @@ def test_a_new_family_in_the_existing_vocabulary_decodes_through_the_fast_progra
     assert spec.layers[0].q_norm is not None and spec.layers[0].qkv.bias is not None
     assert [layer.attention.sliding_window for layer in spec.layers] == [8, None]
     got = _greedy(fast, prompts)
-    eager = _greedy(LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB",
+    eager = _greedy(LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE,
                         enforce_eager=True), prompts)
     assert got == eager
 
@@ -93,7 +98,7 @@ def test_layers_outside_the_vocabulary_run_eagerly_and_the_log_says_which(tmp_pa
     _register(monkeypatch, GeluSpecForCausalLM)
     path = _checkpoint(tmp_path, "GeluSpecForCausalLM")
     with caplog.at_level(logging.INFO, logger="tokenmill.platforms.cpu"):
-        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
+        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE)
     runner = llm.engine.runner
     assert not hasattr(runner.forward, "fused_step")
     assert any("layers 1: activation gelu_tanh" in r.getMessage() for r in caplog.records)
