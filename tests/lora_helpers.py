@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from model_helpers import save_tiny_checkpoint
+from model_helpers import hf_greedy, save_tiny_checkpoint  # noqa: F401  (re-exported to the LoRA tests)
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -39,16 +39,6 @@ def make_base_and_adapters(root: str, kind: str, count: int, **kwargs):
         path = os.path.join(root, f"adapter{i}")
         adapters.append((path, make_adapter(base_dir, path, seed=100 + i, **kwargs)))
     return base_dir, hf.eval(), adapters
-
-
-def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 def check_triton_op(dtype_name: str) -> None:
