@@ -98,11 +98,11 @@ class ModelRunner:
         # Graph capture is for decode steps (captured graphs, the fused decode step); a pooling run
         # has none, only prefills, so it runs eagerly whatever the platform captures.
         self.decode_program = platform.decode_program(config)
-        if self.kv_layout.hybrid and self.pooler is None:
-            # Decode programs read one block table for every layer.
+        one_table = self.kv_layout.hybrid and not self.decode_program.reads_kv_groups
+        if one_table and self.pooler is None:
             self.decode_program.eager_reason = "hybrid KV groups: a block table per layer group"
             logger.info("%s: running the model eagerly: %s", self.decode_program.name, self.decode_program.eager_reason)
-        self.forward = (self._forward_eager if self.pooler is not None or self.kv_layout.hybrid
+        self.forward = (self._forward_eager if self.pooler is not None or one_table
                         else self.decode_program.build(self._forward_eager, self.model_view()))
         self.profile: Optional[StepProfile] = None     # set by `bench --profile`: where step time goes
 

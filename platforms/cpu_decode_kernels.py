@@ -13,7 +13,7 @@ import torch
 
 from .native_build import NativeLibrary, source
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 Q4, BF16, Q8, S8 = 0, 1, 2, 5
 
@@ -24,19 +24,35 @@ class NativeLinear(ctypes.Structure):
                 ("bias", ctypes.c_void_p)]
 
 
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
 class NativeLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", NativeLinear), ("o", NativeLinear), ("gate_up", NativeLinear),
-                ("down", NativeLinear), ("kv_cache", ctypes.c_void_p), ("window", ctypes.c_int64),
-                ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float)]
+    """platforms/csrc/cpu_decode_step.cpp FusedLayer: one layer in the layer vocabulary."""
+    _fields_ = ([(name, _P) for name in ("input_norm", "post_norm", "attn_out_norm", "ffn_out_norm",
+                                         "input_norm_bias", "post_norm_bias", "attn_out_norm_bias",
+                                         "ffn_out_norm_bias", "q_norm", "k_norm")]
+                + [(name, NativeLinear) for name in ("qkv", "o", "gate_up", "down")]
+                + [("kv_cache", _P), ("cos_sin", _P)]
+                + [(name, _I) for name in ("window", "group", "norm_kind", "qk_norm", "rope_gptj", "rotary_dim",
+                                           "activation", "gated", "parallel_block")]
+                + [(name, _F) for name in ("residual_scale", "attn_scale", "k_scale", "v_scale", "act_alpha_p",
+                                           "act_alpha_n", "act_beta", "act_eps")])
 
 
 class NativeModel(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "intermediate", "num_heads",
-                                                    "num_kv_heads", "head_size", "num_blocks", "block_size")] + [
-        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("embedding", ctypes.c_void_p),
-        ("embedding_bf16", ctypes.c_int64), ("final_norm", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(NativeLayer)), ("attend", ctypes.c_void_p)]
+    _fields_ = [(name, _I) for name in ("num_layers", "hidden", "intermediate", "num_heads",
+                                        "num_kv_heads", "head_size", "num_blocks", "block_size")] + [
+        ("eps", _F), ("embedding_scale", _F), ("embedding", _P), ("embedding_bf16", _I), ("final_norm", _P),
+        ("final_norm_bias", _P), ("final_norm_kind", _I), ("layers", ctypes.POINTER(NativeLayer)),
+        ("attend", _P)]
+
+
+class NativeStep(ctypes.Structure):
+    """FusedStep: one call's rows and layer range; slots / tables / table_strides one per KV group."""
+    _fields_ = [("ids", _P), ("positions", _P), ("slots", ctypes.POINTER(_P)), ("tables", ctypes.POINTER(_P)),
+                ("table_strides", ctypes.POINTER(_I)), ("lens", _P), ("tokens", _I), ("first_layer", _I),
+                ("last_layer", _I), ("stream", _P), ("embedded", _P), ("out", _P), ("out_bf16", _I)]
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -44,7 +60,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fused_decode_caps.restype = i64
     lib.fused_decode_caps.argtypes = []
     lib.fused_decode_step.restype = None
-    lib.fused_decode_step.argtypes = [ctypes.POINTER(NativeModel), p, p, p, p, i64, p, i64, p, i64, p]
+    lib.fused_decode_step.argtypes = [ctypes.POINTER(NativeModel), ctypes.POINTER(NativeStep)]
     lib.vnni_peak_loop.restype = i64
     lib.vnni_peak_loop.argtypes = [i64]
     lib.fused_matmul.restype = None

@@ -17,6 +17,8 @@ import torch
 
 from tokenmill.quantization.interface import QuantKernels
 
+from .layer_spec import LLAMA_LAYER, DecoderLayerSpec, DecoderStackSpec, LayerStructure  # noqa: F401 (re-exported)
+
 if TYPE_CHECKING:  # the core's config, only for type hints: platforms import nothing upward
     from tokenmill.core.config import EngineConfig
 
@@ -101,74 +103,6 @@ class DefaultMemoryProfiler(MemoryProfiler):
         return blocks
 
 
-@dataclass(frozen=True)
-class LayerStructure:
-    """The vocabulary a decoder layer is written in: what a decode program must express to run it.
-    The defaults are the Llama layer; a family states only where it differs (Gemma: norm_offset 1,
-    sandwich norms, gelu_tanh, soft-capping; Phi-3 / GLM: partial rotary; OLMo 2: post norms;
-    SmolLM3: NoPE layers; GPT-OSS: sinks; MoE families: an expert FFN)."""
-    norm: str = "rms"                  # "rms" | "layer" (LayerNorm with bias)
-    norm_offset: float = 0.0           # norm weights applied as (offset + w): Gemma's (1 + w)
-    norm_placement: str = "pre"        # "pre" | "post" (after each block, OLMo 2) | "sandwich" (both)
-    rotary: str = "neox"               # "neox" (rotate halves) | "gptj" (interleaved pairs) | "none" (NoPE)
-    rotary_dim: Optional[int] = None   # partial rotary: the leading dims of each head; None: all
-    attn_logit_softcap: Optional[float] = None
-    attention_sinks: bool = False      # a learned per-head logit in the softmax's denominator
-    activation: str = "silu"           # the gated FFN's activation: "silu" | "gelu_tanh" | "gelu"
-    ffn: str = "dense"                 # "dense" (gated: gate_up / down) | "plain" (up / down) | "moe"
-    parallel_block: bool = False       # attention and FFN read the same normed input (Cohere, GPT-J)
-    residual_scale: float = 1.0        # each block's output times this before the residual add (Granite)
-    qk_norm: str = "none"              # "none" | "head" (RMSNorm per head, Qwen3) | "projection" (OLMo 2)
-    rope_table: str = "default"        # which of the model's rope tables: a layer type's own (Gemma 3)
-
-
-LLAMA_LAYER = LayerStructure()
-
-
-@dataclass
-class DecoderLayerSpec:
-    """One decoder layer as a decode program reads it: its tensors and its `structure`. With the
-    default structure: x += o(attn(rope(qkv(norm(x))))); x += down(silu(gate) * up) of
-    gate_up(norm(x)). Linear layers are the core's (`weight` [N, K], `bias`, `quant_method` with the
-    quantization interface); `attention` is the core's attention layer (`impl`: the backend,
-    `kv_cache`, `scale`, `sliding_window` per layer)."""
-    input_norm: Optional[torch.Tensor]         # before attention (None: the placement has none)
-    post_norm: Optional[torch.Tensor]          # before the FFN
-    qkv: Any
-    o: Any
-    gate_up: Any
-    down: Any
-    attention: Any
-    q_norm: Optional[torch.Tensor] = None      # per-head RMSNorm of q and k before rope (Qwen3)
-    k_norm: Optional[torch.Tensor] = None
-    structure: LayerStructure = LLAMA_LAYER
-    attn_out_norm: Optional[torch.Tensor] = None   # on attention's output (post / sandwich placements)
-    ffn_out_norm: Optional[torch.Tensor] = None
-
-
-@dataclass
-class DecoderStackSpec:
-    """What a model offers a platform's decode program (`model.decoder_stack()`): its layers in the
-    LayerStructure vocabulary, RMSNorm eps, the rope table `cos_sin` [positions, rotary dims] (cos |
-    sin) and a final norm; the LM head stays the model's own."""
-    embedding: torch.Tensor
-    final_norm: torch.Tensor
-    eps: float
-    cos_sin: torch.Tensor
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    hidden_size: int
-    intermediate_size: int
-    layers: list[DecoderLayerSpec]
-    # The model's own lookup, ids [T] -> [T, hidden]: a step uses it where `embedding` is no dense
-    # table (an embedding kept quantized, quantization="gguf": its weight only carries the shape).
-    embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    embedding_scale: float = 1.0             # embeddings times this (Gemma: sqrt(hidden))
-    final_logit_softcap: Optional[float] = None   # applied by the model's compute_logits
-    logit_scale: float = 1.0                      # likewise (Granite 1 / logits_scaling, Cohere)
-
-
 @dataclass
 class LayerKernels:
     """The op kernels a platform offers the core's layers, by op kind; every one optional.
@@ -230,6 +164,9 @@ class DecodeProgram:
     # What attention backends must support (`supported_graph_modes`): a program that never puts
     # the backend's forward inside a graph says "none".
     attention_mode: ClassVar[Optional[str]] = None     # None: `name`
+    # Whether it runs layers whose attention reads their own KV group's block tables
+    # (attn_metadata.groups: hybrid KV, core/kv_groups.py); one that does not gets one table per model.
+    reads_kv_groups: ClassVar[bool] = False
 
     # Why `build` returned the eager forward, when it did (`tokenmill bench throughput --profile`).
     eager_reason: Optional[str] = None

@@ -264,3 +264,22 @@ def make_llm(path, **kwargs):
                 max_num_batched_tokens=32, kv_cache_memory=16 << 20, generation_config="none")
     args.update(kwargs)
     return LLM(**args)
+
+
+def fused_and_eager_decode(llm, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states of one decode step after `prompt`, through the fused step and eagerly,
+    from the same KV cache state."""
+    from tokenmill.attention_backends.interface import build_metadata
+
+    runner = llm.engine.runner
+    assert hasattr(runner.forward, "fused_step"), "the engine did not take the fused decode path"
+    n = len(prompt) + 1
+    blocks = list(range((n + runner.block_size - 1) // runner.block_size))
+    with torch.inference_mode():
+        prefill = build_metadata([n - 1], [n - 1], [blocks], runner.block_size)
+        runner.forward(torch.tensor(prompt), torch.arange(n - 1), prefill)     # eager: a prefill
+        decode = build_metadata([1], [n], [blocks], runner.block_size, num_decodes=1)
+        ids, pos = torch.tensor([prompt[-1]]), torch.tensor([n - 1])
+        fused_out = runner.forward(ids, pos, decode)
+        eager_out = runner._forward_eager(ids, pos, decode)
+    return fused_out.float(), eager_out.float()

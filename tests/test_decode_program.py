@@ -1,7 +1,8 @@
 """The decode program a platform composes from a model's layer spec (platforms/interface.py
 DecodeProgram, LayerStructure; the cpu platform's fused_decode): a new dense family written only in
 the existing vocabulary runs through it with no C++ and no platform code; layers outside what the
-program expresses run eagerly, and the log says which; `bench throughput --profile` shows which
+program expresses run eagerly (tests/test_family_fast_path.py: between native ones), and the log
+says which; `bench throughput --profile` shows which
 program and kernels ran."""
 from __future__ import annotations
 
@@ -36,18 +37,15 @@ class BiasedQkNormForCausalLM(LlamaForCausalLM):
         return True
 
 
-class GeluSpecForCausalLM(BiasedQkNormForCausalLM):
-    """Declares a GELU FFN on its second layer (a vocabulary entry the native step does not express)."""
+class SoftCappedForCausalLM(BiasedQkNormForCausalLM):
+    """Declares attention soft-capping on every layer: no native attention entry caps logits, so no
+    layer runs natively and the whole model runs eagerly."""
 
     def decoder_stack(self) -> DecoderStackSpec:
         spec = super().decoder_stack()
-        spec.layers[1].structure = dataclasses.replace(spec.layers[1].structure, activation="gelu_tanh")
+        for layer in spec.layers:
+            layer.structure = dataclasses.replace(layer.structure, attn_logit_softcap=30.0)
         return spec
-
-
-# Its windowed and global layers would otherwise get a block table each (hybrid KV, core/kv_groups.py),
-# which decode programs do not read: one table for all layers keeps the fast program.
-ONE_TABLE = {"disable_hybrid_kv_cache_manager": True}
 
 
 def _register(monkeypatch, cls: type) -> None:
@@ -80,7 +78,7 @@ def test_a_new_family_in_the_existing_vocabulary_decodes_through_the_fast_progra
     _register(monkeypatch, BiasedQkNormForCausalLM)
     path = _checkpoint(tmp_path, "BiasedQkNormForCausalLM")
     prompts = [[5 + (7 * i + j) % 900 for j in range(9 + 5 * i)] for i in range(4)]
-    fast = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE)
+    fast = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
     runner = fast.engine.runner
     assert hasattr(runner.forward, "fused_step"), runner.fast_path_report()
     report = runner.fast_path_report()
@@ -89,32 +87,32 @@ def test_a_new_family_in_the_existing_vocabulary_decodes_through_the_fast_progra
     assert spec.layers[0].q_norm is not None and spec.layers[0].qkv.bias is not None
     assert [layer.attention.sliding_window for layer in spec.layers] == [8, None]
     got = _greedy(fast, prompts)
-    eager = _greedy(LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE,
+    eager = _greedy(LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB",
                         enforce_eager=True), prompts)
     assert got == eager
 
 
-def test_layers_outside_the_vocabulary_run_eagerly_and_the_log_says_which(tmp_path, monkeypatch, caplog):
-    _register(monkeypatch, GeluSpecForCausalLM)
-    path = _checkpoint(tmp_path, "GeluSpecForCausalLM")
+def test_a_model_no_layer_of_which_the_program_expresses_runs_eagerly_and_says_why(tmp_path, monkeypatch, caplog):
+    _register(monkeypatch, SoftCappedForCausalLM)
+    path = _checkpoint(tmp_path, "SoftCappedForCausalLM")
     with caplog.at_level(logging.INFO, logger="tokenmill.platforms.cpu"):
-        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", **ONE_TABLE)
+        llm = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
     runner = llm.engine.runner
     assert not hasattr(runner.forward, "fused_step")
-    assert any("layers 1: activation gelu_tanh" in r.getMessage() for r in caplog.records)
+    assert any("layers 0-1: attn_logit_softcap 30.0" in r.getMessage() for r in caplog.records)
     report = runner.fast_path_report()
-    assert not report["took_the_model"] and "activation gelu_tanh" in report["eager_reason"]
+    assert not report["took_the_model"] and "attn_logit_softcap 30.0" in report["eager_reason"]
     assert len(_greedy(llm, [[5, 6, 7]], 3)[0]) == 3
 
 
 def test_vocabulary_entries_are_grouped_by_layer_ranges():
-    layer = type("L", (), {"structure": LayerStructure()})
-    odd = type("L", (), {"structure": LayerStructure(norm_offset=1.0, rotary_dim=32)})
+    sinks = type("L", (), {"structure": LayerStructure(attention_sinks=True)})
+    moe = type("L", (), {"structure": LayerStructure(ffn="moe")})
+    both = type("L", (), {"structure": LayerStructure(attention_sinks=True, ffn="moe")})
     spec = DecoderStackSpec(embedding=torch.empty(0), final_norm=torch.empty(0), eps=1e-6, cos_sin=torch.empty(0),
                             num_heads=1, num_kv_heads=1, head_size=64, hidden_size=64, intermediate_size=64,
-                            layers=[layer, odd, odd, layer, odd], embedding_scale=8.0)
-    assert outside_vocabulary(spec) == ["layers 1-2,4: norm_offset 1.0", "layers 1-2,4: rotary_dim 32",
-                                        "embedding_scale 8"]
+                            layers=[sinks, moe, moe, both])
+    assert outside_vocabulary(spec) == ["layers 0,3: attention_sinks True", "layers 1-3: ffn moe"]
 
 
 def test_bench_profile_prints_the_program_the_kernels_and_the_time_per_path(capsys):

@@ -127,7 +127,8 @@ def test_families_listed_as_native(tmp_path):
     for name in ARCHITECTURES.values():
         assert rows[name]["implementation"] == "native" and rows[name]["state"] == "loaded", name
     assert rows["Gemma2ForCausalLM"]["features"]["fast_path"]["supported"] is False
-    assert "sandwich" in rows["Gemma2ForCausalLM"]["features"]["fast_path"]["detail"]
+    assert "soft-capping" in rows["Gemma2ForCausalLM"]["features"]["fast_path"]["detail"]
+    assert rows["Gemma3ForCausalLM"]["features"]["fast_path"]["supported"] is True
     assert rows["Olmo2ForCausalLM"]["features"]["tp"]["supported"] is False
 
 

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from model_helpers import save_tiny_checkpoint
+from model_helpers import fused_and_eager_decode, save_tiny_checkpoint
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.platforms import cpu_decode_kernels as native
@@ -95,25 +95,6 @@ def test_bf16_matmul_matches_bf16_operands(tokens):
     assert all(torch.equal(together[i], _run(linear, x[i:i + 1])[0]) for i in range(tokens))
 
 
-def _decode_both_ways(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden states of one decode step after `prompt`, through the fused step and eagerly,
-    from the same KV cache state."""
-    from tokenmill.attention_backends.interface import build_metadata
-
-    runner = llm.engine.runner
-    assert hasattr(runner.forward, "fused_step"), "the engine did not take the fused decode path"
-    n = len(prompt) + 1
-    blocks = list(range((n + runner.block_size - 1) // runner.block_size))
-    with torch.inference_mode():
-        prefill = build_metadata([n - 1], [n - 1], [blocks], runner.block_size)
-        runner.forward(torch.tensor(prompt), torch.arange(n - 1), prefill)     # eager: a prefill
-        decode = build_metadata([1], [n], [blocks], runner.block_size, num_decodes=1)
-        ids, pos = torch.tensor([prompt[-1]]), torch.tensor([n - 1])
-        fused_out = runner.forward(ids, pos, decode)
-        eager_out = runner._forward_eager(ids, pos, decode)
-    return fused_out.float(), eager_out.float()
-
-
 @pytest.mark.parametrize("kind,overrides", [
     ("llama", {}), ("llama", {"vocab_size": 1024, "tie_word_embeddings": True}), ("mistral", {"sliding_window": 8}),
     ("qwen2", {}), ("qwen3", {}),
@@ -136,7 +117,7 @@ def test_fused_step_agrees_with_the_eager_model(kind, overrides, mode, tmp_path)
     if mode == "int4+fp8":
         assert llm.engine.runner.layers[0].kv_cache.dtype == torch.float8_e4m3fn
         assert hasattr(llm.engine.runner.forward, "fused_step")
-    fused_out, eager_out = _decode_both_ways(llm, prompt)
+    fused_out, eager_out = fused_and_eager_decode(llm, prompt)
     cosine = torch.nn.functional.cosine_similarity(fused_out, eager_out, dim=-1)
     assert cosine.min() > 0.995, cosine
     # The engine's own decode steps take the fused path and produce tokens.

@@ -149,9 +149,9 @@ def test_decode_steps_are_one_native_step_and_the_heads_native_matmul(tmp_path):
     real_step, real_matmul = lib.fused_decode_step, lib.fused_matmul
     steps, matmul_rows = [], []
 
-    def step(*args):
-        steps.append(args[7])                                  # tokens
-        return real_step(*args)
+    def step(model, args):
+        steps.append(args._obj.tokens)
+        return real_step(model, args)
 
     def matmul(linear, *args):
         matmul_rows.append(linear._obj.n)

@@ -91,3 +91,14 @@ class XIELU(nn.Module):
         eps = torch.tensor(self.eps, dtype=x.dtype)
         return torch.where(x > 0, alpha_p * x * x + self.beta * x,
                            (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + self.beta * x)
+
+
+def activation_constants(act: nn.Module) -> tuple[float, ...]:
+    """What a decode program needs besides the activation's kind: xIELU's (alpha_p, alpha_n, beta,
+    eps) as its forward applies them; () for the parameter-free ones."""
+    if not isinstance(act, XIELU):
+        return ()
+    with torch.no_grad():
+        alpha_p = float(F.softplus(act.alpha_p.float()))
+        alpha_n = act.beta + float(F.softplus(act.alpha_n.float()))
+    return (alpha_p, alpha_n, act.beta, act.eps)

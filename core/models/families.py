@@ -26,7 +26,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     sliding and global layers alternating."""
     norm_offset = 1.0
     norm_placement = "sandwich"
-    features = _eager("(1 + w) sandwich norms, GeGLU, soft-capping")
+    features = _eager("attention soft-capping (no native attention entry caps logits)")
 
     @classmethod
     def activation(cls, config: Any) -> str:
@@ -50,10 +50,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma 3 (text): Gemma 2 plus (1 + w) q/k norms per head and a rope table per layer type
-    (local base on sliding layers, the scaled global one on full layers); five sliding layers to
-    each global one."""
+    """Gemma 3 (text): Gemma 2 without attention soft-capping, plus (1 + w) q/k norms per head and a
+    rope table per layer type (local base on sliding layers, the scaled global one on full layers);
+    five sliding layers to each global one."""
     qk_norm = "head"
+    features = LlamaForCausalLM.features
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -65,7 +66,7 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2: norms on each block's output (no input norms), q/k RMSNorms over the whole projection."""
     norm_placement = "post"
     qk_norm = "projection"
-    features = {**_eager("post-block norms, q/k norms over the whole projection"),
+    features = {**LlamaForCausalLM.features,
                 "tp": (False, "q/k norms span every head: tensor_parallel_size=1")}
 
 
@@ -76,7 +77,6 @@ class Olmo3ForCausalLM(Olmo2ForCausalLM):
 class GraniteForCausalLM(LlamaForCausalLM):
     """Granite 3: the Llama network with scalar multipliers on embeddings, attention scores, each
     block's residual contribution and the logits."""
-    features = _eager("the residual and embedding multipliers")
 
     @classmethod
     def attention_scale(cls, config: Any) -> float:
@@ -98,7 +98,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
 class GlmForCausalLM(LlamaForCausalLM):
     """GLM-4 (first release, `glm`): partial rotary over GPT-J pairs, q/k/v biases, gate/up stored fused."""
     interleaved_rope = True
-    features = _eager("GPT-J pair rotary over part of the head")
 
     @classmethod
     def o_bias(cls, config: Any) -> bool:
@@ -110,7 +109,6 @@ class Glm4ForCausalLM(GlmForCausalLM):
     norm_placement = "sandwich"
     norm_names: ClassVar[dict[str, str]] = {"attn_out": "post_self_attn_layernorm",
                                             "ffn_in": "post_attention_layernorm", "ffn_out": "post_mlp_layernorm"}
-    features = _eager("GPT-J pair rotary over part of the head, sandwich norms")
 
 
 class Cohere2ForCausalLM(LlamaForCausalLM):
@@ -120,7 +118,6 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
     norm_kind = "layer_nobias"
     parallel_block = True
     interleaved_rope = True
-    features = _eager("LayerNorm, parallel blocks, NoPE layers")
 
     @classmethod
     def uses_rope(cls, config: Any, layer_idx: int) -> bool:
@@ -136,7 +133,6 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
     layers only."""
     norm_placement = "post"
     qk_norm = "head"
-    features = _eager("post-block norms, NoPE layers")
 
     @classmethod
     def uses_rope(cls, config: Any, layer_idx: int) -> bool:
@@ -145,7 +141,6 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """SmolLM3: the Llama network with no position encoding on every fourth layer (no_rope_layers)."""
-    features = _eager("NoPE layers")
 
     @classmethod
     def uses_rope(cls, config: Any, layer_idx: int) -> bool:
@@ -160,7 +155,6 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
     plain_mlp_names = ("c_fc", "c_proj")
     packed_modules_mapping = QKV_ONLY
     lora_plain_modules = ("o_proj", "c_fc", "c_proj")
-    features = _eager("LayerNorm, a plain GELU MLP")
 
     @classmethod
     def qkv_bias(cls, config: Any) -> bool:
@@ -187,4 +181,3 @@ class ApertusForCausalLM(LlamaForCausalLM):
     lora_plain_modules = ("o_proj", "up_proj", "down_proj")
     # transformers stores xIELU's constants as buffers; they are fixed (beta 0.5, eps -1e-6).
     ignored_weights = LlamaForCausalLM.ignored_weights + ("act_fn.beta", "act_fn.eps")
-    features = _eager("a plain xIELU MLP")

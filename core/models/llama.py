@@ -13,7 +13,7 @@ from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec, La
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
-from ..layers.activation import activation_kind
+from ..layers.activation import activation_constants, activation_kind
 from ..layers.attention import Attention
 from ..layers.embedding import LMHead
 from ..layers.norm import LayerNorm, RMSNorm
@@ -194,12 +194,18 @@ class LlamaForCausalLM(nn.Module):
         def weight(norm: Optional[nn.Module]) -> Optional[torch.Tensor]:
             return norm.weight if norm is not None else None
 
+        def biases(layer: nn.Module) -> dict[str, torch.Tensor]:
+            found = {slot: getattr(layer.norm(slot), "bias", None) for slot in layer.norm_names}
+            return {slot: bias for slot, bias in found.items() if bias is not None}
+
         layers = [DecoderLayerSpec(
             input_norm=weight(layer.norm("attn_in")), post_norm=weight(layer.norm("ffn_in")),
             attn_out_norm=weight(layer.norm("attn_out")), ffn_out_norm=weight(layer.norm("ffn_out")),
-            qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.up,
+            norm_bias=biases(layer), qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.up,
             down=layer.mlp.down, attention=layer.self_attn.attn,
-            q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm), structure=layer.structure)
+            q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm), structure=layer.structure,
+            cos_sin=layer.self_attn.rotary_emb.cos_sin_cache if layer.self_attn.rotary_emb is not None else None,
+            activation_constants=activation_constants(layer.mlp.act_fn), eager=layer)
             for layer in model.layers]
         return DecoderStackSpec(
             embedding=model.embed_tokens.weight, final_norm=model.norm.weight, eps=float(model.norm.eps),
@@ -207,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
             head_size=attn0.head_dim, hidden_size=self.config.hidden_size,
             intermediate_size=self.config.intermediate_size, layers=layers, embed=model.embed_tokens,
             embedding_scale=model.embedding_scale, final_logit_softcap=self.final_softcap,
-            logit_scale=self.output_scale)
+            logit_scale=self.output_scale, final_norm_bias=getattr(model.norm, "bias", None))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,9 +1,17 @@
-// The cpu platform's fused decode step (platforms/cpu_fused_decode.py): one call runs a whole
-// pre-norm Llama-style decoder for a few decoding tokens — embedding, then per layer RMSNorm,
-// QKV matmul (+ bias, + per-head q/k norm), rotary embedding, paged attention (the attention
-// backend's own kernel, e.g. paged_decode.cpp's, through a function pointer with the ABI of
-// attention_backends/interface.py NATIVE_DECODE_ABI), O projection + residual, RMSNorm,
-// gate/up matmul, SiLU-and-multiply, down projection + residual — and the final norm.
+// The cpu platform's fused decode step (platforms/cpu_fused_decode.py): one call runs a range of a
+// decoder's layers for a few decoding tokens — embedding (times the model's embedding scale), then
+// per layer the layer vocabulary of platforms/interface.py LayerStructure: RMSNorm (weights handed
+// in already as offset + w) or LayerNorm (with or without bias) before attention, after it, before
+// and after the FFN, or none (each slot a null pointer when the placement has no norm there); QKV
+// matmul (+ bias), q/k norms per head or over the whole projection, rotary embedding rotating
+// halves or GPT-J pairs over the leading rotary_dim dims from the layer's own table (or none:
+// NoPE), paged attention (the attention backend's own kernel, e.g. paged_decode.cpp's, through a
+// function pointer with the ABI of attention_backends/interface.py NATIVE_DECODE_ABI) over the
+// layer's KV group's slots and block tables, O projection, a gated (SiLU, GELU-tanh, GELU, xIELU)
+// or plain FFN, sequential or parallel blocks, residual scaling — and the final norm.
+//
+// A layer range: the Python side runs the layers this step cannot express eagerly in between
+// (first_layer > 0 reads the residual stream from `stream`, last_layer < num_layers writes it there).
 //
 // Why: a one-token step through torch is ~1,300 small ops, ctypes calls and Python across 30
 // layers, more time than the arithmetic. Here the Python side makes one call per step.
@@ -81,27 +89,65 @@ struct FusedLinear {
   const float* bias;        // [n] or null
 };
 
+// One layer. Norm weights are float32 [hidden] (null: no norm in that slot); biases null unless
+// norm_kind is 1 (LayerNorm with bias).
 struct FusedLayer {
-  const float* input_norm;
-  const float* post_norm;
-  const float* q_norm;      // [head_size] or null (Qwen3)
+  const float* input_norm;        // before attention
+  const float* post_norm;         // before the FFN
+  const float* attn_out_norm;     // on attention's output (sandwich / post placements)
+  const float* ffn_out_norm;      // on the FFN's output
+  const float* input_norm_bias;
+  const float* post_norm_bias;
+  const float* attn_out_norm_bias;
+  const float* ffn_out_norm_bias;
+  const float* q_norm;            // RMSNorm of q: [head_size] (per head) or [num_heads * head_size]
   const float* k_norm;
-  FusedLinear qkv, o, gate_up, down;
+  FusedLinear qkv, o, gate_up, down;  // gate_up: [gate | up] when gated, up alone when plain
   void* kv_cache;
-  int64_t window;           // sliding window, 0 = none
-  float k_scale, v_scale;   // an fp8 cache's per-tensor scales (1 for other caches)
+  const float* cos_sin;           // [positions, rotary_dim]: cos | sin; null: no rotary (NoPE)
+  int64_t window;                 // sliding window, 0 = none
+  int64_t group;                  // KV group: which of the step's slots / block tables
+  int64_t norm_kind;              // 0 RMSNorm, 1 LayerNorm (+ bias where given)
+  int64_t qk_norm;                // 0 none, 1 per head, 2 over the whole projection
+  int64_t rope_gptj;              // 0 rotate halves, 1 GPT-J pairs
+  int64_t rotary_dim;             // leading dims of each head that rotate
+  int64_t activation;             // 0 SiLU, 1 GELU (tanh), 2 GELU (erf), 3 xIELU
+  int64_t gated;                  // 1: act(gate) * up; 0: act(up)
+  int64_t parallel_block;         // attention and FFN from the same normed input
+  float residual_scale;           // each block's output times this before the residual add
+  float attn_scale;
+  float k_scale, v_scale;         // an fp8 cache's per-tensor scales (1 for other caches)
+  float act_alpha_p, act_alpha_n, act_beta, act_eps;   // xIELU's constants (softplus applied)
 };
 
 struct FusedModel {
   int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_size;
   int64_t num_blocks, block_size;
-  float eps, attn_scale;
+  float eps, embedding_scale;
   const void* embedding;    // [vocab, hidden]
   int64_t embedding_bf16;
   const float* final_norm;
-  const float* cos_sin;     // [positions, head_size]: cos | sin
+  const float* final_norm_bias;
+  int64_t final_norm_kind;
   const FusedLayer* layers;
   void* attend;             // AttendFn
+};
+
+// One step's inputs. slots / tables / table_strides: one per KV group (hybrid KV: sliding and full
+// layers hold separate block tables); lens [tokens] the context length of each row.
+struct FusedStep {
+  const int64_t* ids;
+  const int64_t* positions;
+  const int64_t* const* slots;
+  const int32_t* const* tables;
+  const int64_t* table_strides;
+  const int32_t* lens;
+  int64_t tokens;
+  int64_t first_layer, last_layer;
+  float* stream;            // [tokens, hidden]: the residual stream in (first_layer > 0) / out (last_layer < num_layers)
+  const float* embedded;    // [tokens, hidden] rows already looked up (an embedding only the model reads), or null
+  void* out;                // [tokens, hidden] after the final norm (last_layer == num_layers)
+  int64_t out_bf16;
 };
 
 }  // extern "C"
@@ -689,9 +735,43 @@ void rms_norm(const float* x, const float* weight, float eps, int64_t cols, floa
   for (int64_t c = 0; c < cols; ++c) out[c] = x[c] * inv * weight[c];
 }
 
-void rope(float* x, const float* cos_sin, int64_t head_size) {
-  const int64_t half = head_size / 2;
+void layer_norm(const float* x, const float* weight, const float* bias, float eps, int64_t cols, float* out) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < cols; ++c) sum += x[c];
+  const float mean = sum / static_cast<float>(cols);
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t c = 0; c < cols; ++c) ss += (x[c] - mean) * (x[c] - mean);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
+  if (bias) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) out[c] = (x[c] - mean) * inv * weight[c] + bias[c];
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) out[c] = (x[c] - mean) * inv * weight[c];
+  }
+}
+
+void norm(int64_t kind, const float* x, const float* weight, const float* bias, float eps, int64_t cols,
+          float* out) {
+  if (kind == 0) rms_norm(x, weight, eps, cols, out);
+  else layer_norm(x, weight, bias, eps, cols, out);
+}
+
+// The leading `rot` dims of a head: halves (x_i, x_{i+rot/2}) or GPT-J pairs (x_2i, x_2i+1) turn by
+// angle i; cos_sin holds cos | sin of those rot/2 angles.
+void rope(float* x, const float* cos_sin, int64_t rot, bool gptj) {
+  const int64_t half = rot / 2;
   const float* sn = cos_sin + half;
+  if (gptj) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[2 * i], x2 = x[2 * i + 1];
+      x[2 * i] = x1 * cos_sin[i] - x2 * sn[i];
+      x[2 * i + 1] = x2 * cos_sin[i] + x1 * sn[i];
+    }
+    return;
+  }
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = x[i], x2 = x[half + i];
@@ -700,8 +780,38 @@ void rope(float* x, const float* cos_sin, int64_t head_size) {
   }
 }
 
+// The FFN's activation over `n` values: a = act(gate) * up (up null: act(gate)).
+void activate(const FusedLayer& layer, const float* gate, const float* up, int64_t n, float* a) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kInvSqrt2 = 0.7071067811865476f;
+  switch (layer.activation) {
+    case 0:
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
+      break;
+    case 1:
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        a[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+      }
+      break;
+    case 2:
+      for (int64_t i = 0; i < n; ++i) a[i] = 0.5f * gate[i] * (1.0f + std::erf(gate[i] * kInvSqrt2));
+      break;
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = gate[i];
+        a[i] = g > 0.0f ? layer.act_alpha_p * g * g + layer.act_beta * g
+                        : (std::expm1(std::min(g, layer.act_eps)) - g) * layer.act_alpha_n + layer.act_beta * g;
+      }
+  }
+  if (up) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) a[i] *= up[i];
+  }
+}
+
 struct Scratch {
-  std::vector<float> residual, normed, qkv, q, k, v, attn, proj, gate_up, act;
+  std::vector<float> residual, normed, qkv, q, k, v, attn, proj, gate_up, act, ffn;
   QuantizedInput in;
 };
 
@@ -709,7 +819,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 4; }
+int tokenmill_kernels_abi_version() { return 5; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI: always, a build without it is refused); bit 1: BF16
 // matmuls (AVX512-BF16); bit 2: those on AMX tiles. Callers check a bit before using its kinds.
@@ -775,19 +885,15 @@ int64_t bf16_linear(const FusedLinear* w, const uint16_t* x, int64_t tokens, con
 #endif
 }
 
-// One decode step for `tokens` sequences, one new token each: ids/positions/slots [tokens],
-// tables [tokens, table_stride] and lens [tokens] as in attention metadata. out [tokens, hidden]
-// after the final norm, float32 (out_bf16 = 0) or bfloat16. `embedded` [tokens, hidden] float32:
-// the input rows already looked up by the caller (an embedding kept quantized in a form only the
-// model's own lookup reads); null: rows `ids` of m->embedding.
-void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* positions, const int64_t* slots,
-                       const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t tokens, void* out,
-                       int64_t out_bf16, const float* embedded) {
+// Layers [first_layer, last_layer) of one step for `a->tokens` rows, one new token each (see
+// FusedStep): from the embedding (first_layer 0) or the stream handed in; to the final norm in `out`
+// (float32 or bfloat16) when last_layer is num_layers, else the stream handed back.
+void fused_decode_step(const FusedModel* m, const FusedStep* a) {
   // Reused, so a step allocates nothing once warm. Referenced through `s`: inside the parallel
   // loops the name of a thread_local would mean each worker's own (empty) copy.
   thread_local Scratch scratch;
   Scratch& s = scratch;
-  const int64_t hidden = m->hidden, hd = m->head_size;
+  const int64_t tokens = a->tokens, hidden = m->hidden, hd = m->head_size, inter = m->intermediate;
   const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd;
   const int64_t qkv_size = q_size + 2 * kv_size;
   s.residual.resize(tokens * hidden);
@@ -798,29 +904,45 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
   s.v.resize(tokens * kv_size);
   s.attn.resize(tokens * q_size);
   s.proj.resize(tokens * hidden);
-  s.gate_up.resize(tokens * 2 * m->intermediate);
-  s.act.resize(tokens * m->intermediate);
+  s.ffn.resize(tokens * hidden);
+  s.gate_up.resize(tokens * 2 * inter);
+  s.act.resize(tokens * inter);
   AttendFn attend = reinterpret_cast<AttendFn>(m->attend);
+  const float eps = m->eps;
 
   const bool rows_parallel = tokens >= kParallelRows;
+  if (a->first_layer == 0) {
 #pragma omp parallel for schedule(static) if (rows_parallel)
-  for (int64_t t = 0; t < tokens; ++t) {
-    float* dst = s.residual.data() + t * hidden;
-    if (embedded) {
-      std::memcpy(dst, embedded + t * hidden, hidden * sizeof(float));
-    } else if (m->embedding_bf16) {
-      const uint16_t* row = static_cast<const uint16_t*>(m->embedding) + ids[t] * hidden;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] = tm::bf16_to_f32(row[c]);
-    } else {
-      std::memcpy(dst, static_cast<const float*>(m->embedding) + ids[t] * hidden, hidden * sizeof(float));
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* dst = s.residual.data() + t * hidden;
+      if (a->embedded) {
+        std::memcpy(dst, a->embedded + t * hidden, hidden * sizeof(float));
+      } else if (m->embedding_bf16) {
+        const uint16_t* row = static_cast<const uint16_t*>(m->embedding) + a->ids[t] * hidden;
+        for (int64_t c = 0; c < hidden; ++c) dst[c] = tm::bf16_to_f32(row[c]);
+      } else {
+        std::memcpy(dst, static_cast<const float*>(m->embedding) + a->ids[t] * hidden, hidden * sizeof(float));
+      }
+      if (m->embedding_scale != 1.0f)
+        for (int64_t c = 0; c < hidden; ++c) dst[c] *= m->embedding_scale;
     }
+  } else {
+    std::memcpy(s.residual.data(), a->stream, tokens * hidden * sizeof(float));
   }
-  for (int64_t l = 0; l < m->num_layers; ++l) {
+  for (int64_t l = a->first_layer; l < a->last_layer; ++l) {
     const FusedLayer& layer = m->layers[l];
+    const int64_t kind = layer.norm_kind;
+    // The attention block's input: the normed stream, or the stream itself (post-norm placement).
+    const float* attn_in = s.residual.data();
+    if (layer.input_norm) {
 #pragma omp parallel for schedule(static) if (rows_parallel)
-    for (int64_t t = 0; t < tokens; ++t)
-      rms_norm(s.residual.data() + t * hidden, layer.input_norm, m->eps, hidden, s.normed.data() + t * hidden);
-    matmul(layer.qkv, s.normed.data(), tokens, s.qkv.data(), s.in);
+      for (int64_t t = 0; t < tokens; ++t)
+        norm(kind, s.residual.data() + t * hidden, layer.input_norm, layer.input_norm_bias, eps, hidden,
+             s.normed.data() + t * hidden);
+      attn_in = s.normed.data();
+    }
+    matmul(layer.qkv, attn_in, tokens, s.qkv.data(), s.in);
+    const int64_t rot = layer.rotary_dim;
 #pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
       const float* row = s.qkv.data() + t * qkv_size;
@@ -829,48 +951,72 @@ void fused_decode_step(const FusedModel* m, const int64_t* ids, const int64_t* p
       std::memcpy(q, row, q_size * sizeof(float));
       std::memcpy(k, row + q_size, kv_size * sizeof(float));
       std::memcpy(s.v.data() + t * kv_size, row + q_size + kv_size, kv_size * sizeof(float));
-      const float* cs = m->cos_sin + positions[t] * hd;
+      if (layer.qk_norm == 2) {
+        rms_norm(q, layer.q_norm, eps, q_size, q);
+        rms_norm(k, layer.k_norm, eps, kv_size, k);
+      }
+      const float* cs = layer.cos_sin ? layer.cos_sin + a->positions[t] * rot : nullptr;
       for (int64_t h = 0; h < m->num_heads; ++h) {
-        if (layer.q_norm) rms_norm(q + h * hd, layer.q_norm, m->eps, hd, q + h * hd);
-        rope(q + h * hd, cs, hd);
+        if (layer.qk_norm == 1) rms_norm(q + h * hd, layer.q_norm, eps, hd, q + h * hd);
+        if (cs) rope(q + h * hd, cs, rot, layer.rope_gptj);
       }
       for (int64_t h = 0; h < m->num_kv_heads; ++h) {
-        if (layer.k_norm) rms_norm(k + h * hd, layer.k_norm, m->eps, hd, k + h * hd);
-        rope(k + h * hd, cs, hd);
+        if (layer.qk_norm == 1) rms_norm(k + h * hd, layer.k_norm, eps, hd, k + h * hd);
+        if (cs) rope(k + h * hd, cs, rot, layer.rope_gptj);
       }
     }
-    attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, slots, tables, table_stride, lens, s.attn.data(),
-           tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks, m->attn_scale, layer.window,
-           layer.k_scale, layer.v_scale);
+    const int64_t g = layer.group;
+    attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, a->slots[g], a->tables[g], a->table_strides[g],
+           a->lens, s.attn.data(), tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks,
+           layer.attn_scale, layer.window, layer.k_scale, layer.v_scale);
     matmul(layer.o, s.attn.data(), tokens, s.proj.data(), s.in);
+    const float scale = layer.residual_scale;
+    if (!layer.parallel_block) {
+      // x += scale * attn_out_norm(attn); the FFN reads post_norm(x) (or x).
+#pragma omp parallel for schedule(static) if (rows_parallel)
+      for (int64_t t = 0; t < tokens; ++t) {
+        float* r = s.residual.data() + t * hidden;
+        float* p = s.proj.data() + t * hidden;
+        if (layer.attn_out_norm) norm(kind, p, layer.attn_out_norm, layer.attn_out_norm_bias, eps, hidden, p);
+        for (int64_t c = 0; c < hidden; ++c) r[c] += scale * p[c];
+        if (layer.post_norm)
+          norm(kind, r, layer.post_norm, layer.post_norm_bias, eps, hidden, s.normed.data() + t * hidden);
+      }
+    }
+    const float* ffn_in = layer.parallel_block || layer.post_norm ? s.normed.data() : s.residual.data();
+    matmul(layer.gate_up, ffn_in, tokens, s.gate_up.data(), s.in);
+    const int64_t up_width = layer.gated ? 2 * inter : inter;
+#pragma omp parallel for schedule(static) if (rows_parallel)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* gate = s.gate_up.data() + t * up_width;
+      activate(layer, gate, layer.gated ? gate + inter : nullptr, inter, s.act.data() + t * inter);
+    }
+    matmul(layer.down, s.act.data(), tokens, s.ffn.data(), s.in);
 #pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
       float* r = s.residual.data() + t * hidden;
-      const float* p = s.proj.data() + t * hidden;
-      for (int64_t c = 0; c < hidden; ++c) r[c] += p[c];
-      rms_norm(s.residual.data() + t * hidden, layer.post_norm, m->eps, hidden, s.normed.data() + t * hidden);
+      float* f = s.ffn.data() + t * hidden;
+      if (layer.ffn_out_norm) norm(kind, f, layer.ffn_out_norm, layer.ffn_out_norm_bias, eps, hidden, f);
+      if (layer.parallel_block) {
+        const float* p = s.proj.data() + t * hidden;
+        for (int64_t c = 0; c < hidden; ++c) r[c] += scale * (p[c] + f[c]);
+      } else {
+        for (int64_t c = 0; c < hidden; ++c) r[c] += scale * f[c];
+      }
     }
-    matmul(layer.gate_up, s.normed.data(), tokens, s.gate_up.data(), s.in);
-    const int64_t inter = m->intermediate;
-#pragma omp parallel for schedule(static) if (rows_parallel)
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* gate = s.gate_up.data() + t * 2 * inter;
-      const float* up = gate + inter;
-      float* a = s.act.data() + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    }
-    matmul(layer.down, s.act.data(), tokens, s.proj.data(), s.in);
-#pragma omp parallel for schedule(static) if (rows_parallel)
-    for (int64_t i = 0; i < tokens * hidden; ++i) s.residual[i] += s.proj[i];
+  }
+  if (a->last_layer < m->num_layers) {
+    std::memcpy(a->stream, s.residual.data(), tokens * hidden * sizeof(float));
+    return;
   }
   for (int64_t t = 0; t < tokens; ++t) {
-    rms_norm(s.residual.data() + t * hidden, m->final_norm, m->eps, hidden, s.normed.data() + t * hidden);
-    if (out_bf16) {
+    norm(m->final_norm_kind, s.residual.data() + t * hidden, m->final_norm, m->final_norm_bias, eps, hidden,
+         s.normed.data() + t * hidden);
+    if (a->out_bf16) {
       round_bf16(s.normed.data() + t * hidden, hidden, s.in);
-      std::memcpy(static_cast<uint16_t*>(out) + t * hidden, s.in.bf16.data(), hidden * sizeof(uint16_t));
+      std::memcpy(static_cast<uint16_t*>(a->out) + t * hidden, s.in.bf16.data(), hidden * sizeof(uint16_t));
     } else {
-      std::memcpy(static_cast<float*>(out) + t * hidden, s.normed.data() + t * hidden, hidden * sizeof(float));
+      std::memcpy(static_cast<float*>(a->out) + t * hidden, s.normed.data() + t * hidden, hidden * sizeof(float));
     }
   }
 }
