@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary, source
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # The cache dtypes the kernel reads, by the suffix of their entries (fp8 caches as their bytes).
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16kv", torch.float8_e4m3fn: "fp8e4m3",

@@ -223,8 +223,9 @@ class CpuSdpaAttention(AttentionBackend):
         return o.reshape(nd, self.num_heads, d)
 
     def native_decode_fn(self, kv_cache: torch.Tensor) -> Optional[int]:
-        """paged_decode.cpp's write-and-attend entry for a float32, bf16 or fp8 cache (NATIVE_DECODE_ABI)."""
-        if self.logits_soft_cap or not kv_cache.is_contiguous() or cpu_paged_decode.available() is not None:
+        """paged_decode.cpp's write-and-attend entry for a float32, bf16 or fp8 cache (NATIVE_DECODE_ABI),
+        soft-capping included."""
+        if not kv_cache.is_contiguous() or cpu_paged_decode.available() is not None:
             return None
         return cpu_paged_decode.native_attend_address(kv_cache.dtype)
 

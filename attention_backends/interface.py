@@ -31,8 +31,9 @@ ATTENTION_API_VERSION = 1
 #               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
 #               int64_t block_size, int64_t num_blocks, float scale,
 #               int64_t window,        // sliding window, 0 = none
-#               float k_scale, float v_scale);   // an fp8 cache's scales (it stores k / k_scale), else 1
-NATIVE_DECODE_ABI = "tokenmill_paged_attend_v2"
+#               float k_scale, float v_scale,    // an fp8 cache's scales (it stores k / k_scale), else 1
+#               float softcap);        // logit soft-cap (scores -> cap * tanh(score / cap)), 0 = none
+NATIVE_DECODE_ABI = "tokenmill_paged_attend_v3"
 
 
 @dataclass

@@ -222,6 +222,7 @@ class _FusedStep:
         slot.parallel_block = int(s.parallel_block)
         slot.residual_scale = s.residual_scale
         slot.attn_scale = float(layer.attention.scale)
+        slot.attn_softcap = float(s.attn_logit_softcap or 0.0)
         # An fp8 cache's per-tensor scales (set by the loader before the step is built).
         slot.k_scale = float(getattr(layer.attention.impl, "k_scale", 1.0))
         slot.v_scale = float(getattr(layer.attention.impl, "v_scale", 1.0))

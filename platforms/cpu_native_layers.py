@@ -17,7 +17,6 @@ from .interface import DecoderLayerSpec, DecoderStackSpec, LayerStructure
 NATIVE_VALUES: dict[str, tuple] = {
     "norm": ("rms", "layer", "layer_nobias"),
     "rotary": ("neox", "gptj", "none"),
-    "attn_logit_softcap": (None,),
     "attention_sinks": (False,),
     "activation": ("silu", "gelu_tanh", "gelu", "xielu"),
     "ffn": ("dense", "plain"),

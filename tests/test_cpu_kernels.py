@@ -28,8 +28,9 @@ def _paged(lens, shared_blocks=0, dtype=torch.float32, seed=0):
     return cache, tables, meta
 
 
-def _attend(q, cache, tables, lens, scale, window=None, first=0):
-    """Per sequence, per head, in float64: softmax(q k^T) v over positions [start, len)."""
+def _attend(q, cache, tables, lens, scale, window=None, first=0, softcap=0.0):
+    """Per sequence, per head, in float64: softmax(q k^T) v over positions [start, len) (scores
+    soft-capped: cap * tanh(score / cap))."""
     kv_heads = cache.shape[3]
     group = q.shape[1] // kv_heads
     outs, lses = [], []
@@ -39,6 +40,8 @@ def _attend(q, cache, tables, lens, scale, window=None, first=0):
         k = rows[0, start:].repeat_interleave(group, 1)
         v = rows[1, start:].repeat_interleave(group, 1)
         scores = torch.einsum("hd,thd->ht", q[s].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
         lses.append(scores.logsumexp(-1))
     return torch.stack(outs), torch.stack(lses)
@@ -97,9 +100,10 @@ def test_paged_decode_head_layouts_match_float64(kv_dtype, heads, kv_heads, head
 def _attend_entry(kv_dtype):
     """The NATIVE_DECODE_ABI entry for a cache of `kv_dtype`, as the fused step calls it."""
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    fn = ctypes.CFUNCTYPE(None, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
-                          ctypes.c_float, ctypes.c_float)(cpu_paged_decode.native_attend_address(kv_dtype))
-    return fn
+    f32 = ctypes.c_float
+    signature = ctypes.CFUNCTYPE(None, p, p, p, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, f32, i64,
+                                 f32, f32, f32)
+    return signature(cpu_paged_decode.native_attend_address(kv_dtype))
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
@@ -119,7 +123,8 @@ def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, sh
     slots = meta.slot_mapping.to(torch.int64).contiguous()
     _attend_entry(kv_dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(), slots.data_ptr(),
                             meta.block_tables.data_ptr(), meta.block_tables.shape[1], meta.seq_lens.data_ptr(),
-                            out.data_ptr(), len(lens), heads, kv_heads, head_size, 16, 120, 0.1, 0, k_scale, v_scale)
+                            out.data_ptr(), len(lens), heads, kv_heads, head_size, 16, 120, 0.1, 0, k_scale, v_scale,
+                            0.0)
     flat = cache.view(2, -1, kv_heads, head_size)
     as_bytes = (lambda t: t.view(torch.uint8)) if kv_dtype in FP8 else (lambda t: t)
     assert torch.equal(as_bytes(flat[0, slots]), as_bytes(to_kv(k, kv_dtype, k_scale)))
@@ -131,6 +136,30 @@ def test_native_attend_entry_writes_then_attends_with_shared_prefix(kv_dtype, sh
     # them (2^-8 relative).
     on_tiles = kv_dtype != torch.float32 and shared_blocks >= 9 and cpu_flash_prefill.available() is None
     assert (out.double() - ref).abs().max().item() < (4e-3 if on_tiles else 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
+@pytest.mark.parametrize("head_size,window", [(64, 0), (128, 0), (64, 40), (80, 0)])
+def test_native_attend_entry_soft_caps_scores(kv_dtype, head_size, window):
+    """Gemma 2's logit soft-cap inside the fused step's entry: scores cap * tanh(score / cap) before
+    the softmax, on every path (vector and bf16-dot loops, a window, shared prefixes that would
+    otherwise take the cascade pass), equal to float64."""
+    lens = [170, 200, 161, 190]
+    tables, meta = decode_batch(lens, 9, num_blocks=120, seed=5)
+    heads, kv_heads, cap = 8, 2, 2.0
+    cache, _, (k_scale, v_scale) = _cache((2, 120, 16, kv_heads, head_size), kv_dtype, seed=5)
+    q = torch.randn(len(lens), heads, head_size) * 3           # scores well past the cap
+    k, v = torch.randn(len(lens), kv_heads, head_size), torch.randn(len(lens), kv_heads, head_size)
+    out = torch.empty_like(q)
+    _attend_entry(kv_dtype)(q.data_ptr(), k.data_ptr(), v.data_ptr(), cache.data_ptr(),
+                            meta.slot_mapping.to(torch.int64).contiguous().data_ptr(), meta.block_tables.data_ptr(),
+                            meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), len(lens), heads,
+                            kv_heads, head_size, 16, 120, 0.125, window, k_scale, v_scale, cap)
+    read = torch.stack((from_kv(cache[0], torch.float32, k_scale), from_kv(cache[1], torch.float32, v_scale)))
+    capped, _ = _attend(q, read, tables, lens, 0.125, window=window or None, softcap=cap)
+    plain, _ = _attend(q, read, tables, lens, 0.125, window=window or None)
+    assert (out.double() - capped).abs().max().item() < 1e-5
+    assert (out.double() - plain).abs().max().item() > 1e-2       # the cap changed the answer
 
 
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
@@ -156,7 +185,7 @@ def test_fp8_writes_round_like_torch(kv_dtype):
     q, out = torch.zeros(rows, 1, 64), torch.empty(rows, 1, 64)
     _attend_entry(kv_dtype)(q.data_ptr(), k.data_ptr(), k.data_ptr(), cache.data_ptr(), slots.data_ptr(),
                             tables.data_ptr(), 1, lens.data_ptr(), out.data_ptr(), rows, 1, 1, 64, 1, rows, 1.0, 0,
-                            1.0, 1.0)
+                            1.0, 1.0, 0.0)
     want = to_kv(k, kv_dtype).view(torch.uint8).reshape(-1)
     got = cache[0].reshape(-1).view(torch.uint8)
     assert torch.equal(got, want), (values[(got != want)[:values.numel()]][:8])

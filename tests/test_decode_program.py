@@ -37,14 +37,14 @@ class BiasedQkNormForCausalLM(LlamaForCausalLM):
         return True
 
 
-class SoftCappedForCausalLM(BiasedQkNormForCausalLM):
-    """Declares attention soft-capping on every layer: no native attention entry caps logits, so no
-    layer runs natively and the whole model runs eagerly."""
+class SinksForCausalLM(BiasedQkNormForCausalLM):
+    """Declares attention sinks on every layer: no native attention entry has them, so no layer runs
+    natively and the whole model runs eagerly."""
 
     def decoder_stack(self) -> DecoderStackSpec:
         spec = super().decoder_stack()
         for layer in spec.layers:
-            layer.structure = dataclasses.replace(layer.structure, attn_logit_softcap=30.0)
+            layer.structure = dataclasses.replace(layer.structure, attention_sinks=True)
         return spec
 
 
@@ -93,15 +93,15 @@ def test_a_new_family_in_the_existing_vocabulary_decodes_through_the_fast_progra
 
 
 def test_a_model_no_layer_of_which_the_program_expresses_runs_eagerly_and_says_why(tmp_path, monkeypatch, caplog):
-    _register(monkeypatch, SoftCappedForCausalLM)
-    path = _checkpoint(tmp_path, "SoftCappedForCausalLM")
+    _register(monkeypatch, SinksForCausalLM)
+    path = _checkpoint(tmp_path, "SinksForCausalLM")
     with caplog.at_level(logging.INFO, logger="tokenmill.platforms.cpu"):
         llm = LLM(model=path, dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB")
     runner = llm.engine.runner
     assert not hasattr(runner.forward, "fused_step")
-    assert any("layers 0-1: attn_logit_softcap 30.0" in r.getMessage() for r in caplog.records)
+    assert any("layers 0-1: attention_sinks True" in r.getMessage() for r in caplog.records)
     report = runner.fast_path_report()
-    assert not report["took_the_model"] and "attn_logit_softcap 30.0" in report["eager_reason"]
+    assert not report["took_the_model"] and "attention_sinks True" in report["eager_reason"]
     assert len(_greedy(llm, [[5, 6, 7]], 3)[0]) == 3
 
 

@@ -2,8 +2,8 @@
 every family whose layers are in the native step's vocabulary decodes through it — (1 + w) and
 sandwich / post norms, LayerNorm, GeGLU / GELU / xIELU, plain FFNs, partial and GPT-J rotary, NoPE
 layers, per-layer rope tables, q/k norms per head and over the projection, parallel blocks, residual
-and embedding scales — with the hidden states of a decode step matching the eager model's, in bf16
-and int4; sliding and full layers read their own KV group's block tables (hybrid KV); a layer the
+and embedding scales, attention soft-capping — with the hidden states of a decode step matching the
+eager model's, in bf16 and int4; sliding and full layers read their own KV group's block tables (hybrid KV); a layer the
 step does not express runs eagerly between native ranges and the log says which."""
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ from tokenmill.plugins import discovery
 pytestmark = pytest.mark.skipif(native.NativeHeadKernel.available() is not None,
                                 reason=f"fused decode kernels unavailable: {native.NativeHeadKernel.available()}")
 
-# Attention soft-capping is no native attention capability: Gemma 2's layers all run eagerly.
-NOT_NATIVE = {"gemma2": "attn_logit_softcap 2.0"}
 MODES = {"bfloat16": dict(dtype="bfloat16"), "int4": dict(quantization="int4", kv_cache_dtype="bfloat16")}
 
 
@@ -42,9 +40,6 @@ def test_every_family_decodes_through_the_native_step(tmp_path, model_type, mode
     # One block table for all layers: the comparison below builds its own single-table metadata.
     llm = _fast_llm(tmp_path, mode, disable_hybrid_kv_cache_manager=True)
     report = llm.engine.runner.fast_path_report()
-    if model_type in NOT_NATIVE:
-        assert not report["took_the_model"] and NOT_NATIVE[model_type] in report["eager_reason"]
-        return
     assert report["took_the_model"], report
     assert llm.engine.runner.decode_program.eager_layers == []
     fused, eager = fused_and_eager_decode(llm, PROMPTS[0])

@@ -14,19 +14,12 @@ from .llama import LlamaForCausalLM
 QKV_ONLY = {"qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)]}
 
 
-def _eager(why: str) -> dict[str, tuple[bool, str]]:
-    """LlamaForCausalLM's features with the fast path's reason for a family outside the native step."""
-    return {**LlamaForCausalLM.features,
-            "fast_path": (False, f"decode steps run eagerly: the cpu native step does not express {why}")}
-
-
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: (1 + w) RMSNorms before and after attention and the FFN, GeGLU (gelu_tanh),
     embeddings times sqrt(hidden), query_pre_attn_scalar, attention and final logit soft-capping,
     sliding and global layers alternating."""
     norm_offset = 1.0
     norm_placement = "sandwich"
-    features = _eager("attention soft-capping (no native attention entry caps logits)")
 
     @classmethod
     def activation(cls, config: Any) -> str:
@@ -54,7 +47,6 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     rope table per layer type (local base on sliding layers, the scaled global one on full layers);
     five sliding layers to each global one."""
     qk_norm = "head"
-    features = LlamaForCausalLM.features
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -72,7 +72,7 @@ typedef void (*AttendFn)(const float* q, const float* k, const float* v, void* k
                          const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                          int64_t block_size, int64_t num_blocks, float scale, int64_t window, float k_scale,
-                         float v_scale);
+                         float v_scale, float softcap);
 
 }  // namespace
 
@@ -118,6 +118,7 @@ struct FusedLayer {
   float attn_scale;
   float k_scale, v_scale;         // an fp8 cache's per-tensor scales (1 for other caches)
   float act_alpha_p, act_alpha_n, act_beta, act_eps;   // xIELU's constants (softplus applied)
+  float attn_softcap;             // attention logit soft-cap, 0 = none
 };
 
 struct FusedModel {
@@ -819,7 +820,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 5; }
+int tokenmill_kernels_abi_version() { return 6; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI: always, a build without it is refused); bit 1: BF16
 // matmuls (AVX512-BF16); bit 2: those on AMX tiles. Callers check a bit before using its kinds.
@@ -968,7 +969,7 @@ void fused_decode_step(const FusedModel* m, const FusedStep* a) {
     const int64_t g = layer.group;
     attend(s.q.data(), s.k.data(), s.v.data(), layer.kv_cache, a->slots[g], a->tables[g], a->table_strides[g],
            a->lens, s.attn.data(), tokens, m->num_heads, m->num_kv_heads, hd, m->block_size, m->num_blocks,
-           layer.attn_scale, layer.window, layer.k_scale, layer.v_scale);
+           layer.attn_scale, layer.window, layer.k_scale, layer.v_scale, layer.attn_softcap);
     matmul(layer.o, s.attn.data(), tokens, s.proj.data(), s.in);
     const float scale = layer.residual_scale;
     if (!layer.parallel_block) {

@@ -286,11 +286,18 @@ inline float exp_row(float* row, int64_t n, float& mx) {
   return sum;
 }
 
+// Logit soft-capping (Gemma 2): each scaled score s becomes cap * tanh(s / cap) before the softmax.
+inline void cap_scores(float* scores, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
+
 template <typename KV, int D>
 void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
             const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
             int64_t num_kv_heads, int64_t head_size_rt, int64_t block_size, int64_t num_blocks,
-            float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale) {
+            float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale,
+            float softcap) {
   const int64_t hd = D > 0 ? D : head_size_rt;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * hd;                 // elements per token slot
@@ -349,6 +356,7 @@ void decode(const float* q, const KV* kv, const int32_t* tables, int64_t table_s
       for (int64_t h = h0; h < h1; ++h) {
         float* sh = scores.data() + h * n;
         float mx;
+        if (softcap > 0.0f) cap_scores(sh, n, softcap);
         const float sum = exp_row(sh, n, mx);
         inv_sum[h] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
@@ -438,7 +446,7 @@ template <typename KV, int D>
 void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
                       const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t block_size, int64_t num_blocks, float scale, int64_t window, int64_t first_pos,
-                      float* lse, float k_scale, float v_scale) {
+                      float* lse, float k_scale, float v_scale, float softcap) {
   namespace tf = tokenmill_flash;
   constexpr int C = D / 32;
   constexpr int kMaxHeads = D == 64 ? 4 : 2;     // accumulators of a P . V chunk in registers
@@ -533,6 +541,7 @@ void decode_bf16_dots(const float* q, const KV* kv, const int32_t* tables, int64
       for (int64_t h = h0; h < h1; ++h) {
         float* sh = scores.data() + h * n;
         float mx;
+        if (softcap > 0.0f) cap_scores(sh, n, softcap);
         const float sum = exp_row(sh, n, mx);
         inv_sum[h - h0] = v_scale / sum;
         if (lse) lse[s * num_heads + h] = mx + std::log(sum);
@@ -585,27 +594,28 @@ template <typename KV>
 void dispatch(const float* q, const KV* kv, const int32_t* tables, int64_t table_stride,
               const int32_t* lens, float* out, int64_t num_seqs, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks,
-              float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale) {
+              float scale, int64_t window, int64_t first_pos, float* lse, float k_scale, float v_scale,
+              float softcap = 0.0f) {
 #if TM_AVX512_BF16
   if constexpr (!std::is_same<KV, float>::value) {     // bf16 and fp8 caches
     if (head_size == 64)
       return decode_bf16_dots<KV, 64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                                      block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
+                                      block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale, softcap);
     if (head_size == 128)
       return decode_bf16_dots<KV, 128>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                                       block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
+                                       block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale, softcap);
   }
 #endif
   switch (head_size) {
     case 64:
       return decode<KV, 64>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                            head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
+                            head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale, softcap);
     case 128:
       return decode<KV, 128>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                             head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
+                             head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale, softcap);
     default:
       return decode<KV, 0>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads,
-                           head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale);
+                           head_size, block_size, num_blocks, scale, window, first_pos, lse, k_scale, v_scale, softcap);
   }
 }
 
@@ -904,7 +914,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
                       const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out,
                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                       int64_t block_size, int64_t num_blocks, float scale, int64_t window, float k_scale,
-                      float v_scale) {
+                      float v_scale, float softcap) {
   KV* kv = static_cast<KV*>(kv_cache);
   const int64_t row = num_kv_heads * head_size;
   const int64_t v_offset = num_blocks * block_size * row;
@@ -917,7 +927,8 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
     }
   }
 #if TM_AVX512F
-  const int64_t common = window > 0 || (head_size != 64 && head_size != 128)
+  // The cascade pass's prefix tiles do not cap scores: soft-capped layers take the plain pass.
+  const int64_t common = window > 0 || softcap > 0.0f || (head_size != 64 && head_size != 128)
                              ? 0 : common_blocks(tables, table_stride, lens, nullptr, num_seqs, block_size) * block_size;
   const int64_t prefix = common >= kCascadeMinTokens ? common : 0;
   if (prefix > 0) {
@@ -956,14 +967,14 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
   }
 #endif
   dispatch<KV>(q, kv, tables, table_stride, lens, out, num_seqs, num_heads, num_kv_heads, head_size, block_size,
-               num_blocks, scale, window, 0, nullptr, k_scale, v_scale);
+               num_blocks, scale, window, 0, nullptr, k_scale, v_scale, softcap);
 }
 
 }  // namespace
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 4; }
+int tokenmill_kernels_abi_version() { return 5; }
 
 // paged_decode_<cache>: q [num_seqs, num_heads, head_size] float32 attending to positions
 // [first_pos, lens[s]) (and the window) of a cache of float32, bf16 or fp8 values; an fp8 cache
@@ -989,9 +1000,10 @@ TOKENMILL_PAGED_DECODE(paged_decode_fp8e5m2, E5M2)
   void NAME(const float* q, const float* k, const float* v, void* kv_cache, const int64_t* slots,               \
             const int32_t* tables, int64_t table_stride, const int32_t* lens, float* out, int64_t num_seqs,     \
             int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, int64_t num_blocks, \
-            float scale, int64_t window, float k_scale, float v_scale) {                                        \
+            float scale, int64_t window, float k_scale, float v_scale, float softcap) {                         \
     write_and_attend<KV>(q, k, v, kv_cache, slots, tables, table_stride, lens, out, num_seqs, num_heads,        \
-                         num_kv_heads, head_size, block_size, num_blocks, scale, window, k_scale, v_scale);     \
+                         num_kv_heads, head_size, block_size, num_blocks, scale, window, k_scale, v_scale,      \
+                         softcap);                                                                              \
   }
 TOKENMILL_PAGED_ATTEND(paged_attend_f32, float)
 TOKENMILL_PAGED_ATTEND(paged_attend_bf16kv, uint16_t)
