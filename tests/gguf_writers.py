@@ -1,12 +1,15 @@
-"""Test helpers that write GGUF files in a chosen block format: a tiny random llama network, and
-the default model re-quantized. Packing of formats gguf-py cannot quantize (K-quants) is written
-here from ggml's block layouts (ggml-common.h): Q4_K by a plain min/max quantizer, the other
-K-quants as random blocks with sane super-block scales (their weights are whatever gguf-py's
-dequantizer reads from them, which is what the float reference uses)."""
+"""Test helpers that write GGUF files in a chosen block format: a tiny random llama network, the
+default model re-quantized, and any HF checkpoint of the dense families converted the way llama.cpp's
+convert_hf_to_gguf.py does it (F32, or Q8_0 like its --outtype q8_0). Packing of formats gguf-py
+cannot quantize (K-quants) is written here from ggml's block layouts (ggml-common.h): Q4_K by a
+plain min/max quantizer, the other K-quants as random blocks with sane super-block scales (their
+weights are whatever gguf-py's dequantizer reads from them, which is what the float reference uses)."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
+import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFWriter
 from gguf.quants import dequantize as gguf_dequantize
@@ -168,3 +171,185 @@ def requantize_file(source, path: str, choose: Callable[[str, tuple], Optional[Q
         values = dequantize(raw, info.qtype, info.shape).numpy()
         tensors[name] = (quantize(values, qtype, rng), qtype)
     write_gguf(path, dims, tensors, metadata_from=source.path if with_tokenizer else None)
+
+
+# ---------------------------------------------------------------- HF checkpoint -> GGUF, as llama.cpp converts it
+# A small mirror of llama.cpp's convert_hf_to_gguf.py (conversion/*.py) for the dense families: each
+# class's set_gguf_parameters (TextModel's base keys plus the family's own), tensor names by
+# gguf-py's TensorNameMap (the converter's own map), and its tensor transforms: LlamaModel.permute
+# of q/k (granite, smollm3), Gemma's norm weights + 1 and no lm_head, Cohere 2's zero biases dropped;
+# 1-D tensors and norms float32, the rest in `qtype` (the converter's --outtype q8_0).
+
+def _text_model_keys(w: GGUFWriter, hp: dict) -> None:
+    """TextModel.set_gguf_parameters."""
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_embedding_length(hp["hidden_size"])
+    w.add_feed_forward_length(hp["intermediate_size"])
+    w.add_head_count(hp["num_attention_heads"])
+    w.add_head_count_kv(hp["num_key_value_heads"])
+    rope = hp.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope)
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    w.add_rope_freq_base(full["rope_theta"])
+    if "sliding_attention" in rope:
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    eps = next((hp[k] for k in ("rms_norm_eps", "norm_eps") if k in hp), None)
+    if eps is not None:
+        w.add_layer_norm_rms_eps(eps)
+    eps = next((hp[k] for k in ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") if k in hp), None)
+    if eps is not None:
+        w.add_layer_norm_eps(eps)
+    if hp.get("head_dim") is not None:
+        w.add_key_length(hp["head_dim"])
+        w.add_value_length(hp["head_dim"])
+
+
+def _llama_model_keys(w: GGUFWriter, hp: dict) -> None:
+    """LlamaModel (and its subclasses GraniteModel, SmolLM3Model)."""
+    _text_model_keys(w, hp)
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+
+
+def _gemma2_keys(w: GGUFWriter, hp: dict) -> None:
+    for add, key in ((w.add_context_length, "max_position_embeddings"), (w.add_embedding_length, "hidden_size"),
+                     (w.add_block_count, "num_hidden_layers"), (w.add_feed_forward_length, "intermediate_size"),
+                     (w.add_head_count, "num_attention_heads"), (w.add_head_count_kv, "num_key_value_heads"),
+                     (w.add_layer_norm_rms_eps, "rms_norm_eps"), (w.add_key_length, "head_dim"),
+                     (w.add_value_length, "head_dim"), (w.add_attn_logit_softcapping, "attn_logit_softcapping"),
+                     (w.add_final_logit_softcapping, "final_logit_softcapping"),
+                     (w.add_sliding_window, "sliding_window")):
+        add(hp[key])
+
+
+def _gemma3_keys(w: GGUFWriter, hp: dict) -> None:
+    _text_model_keys(w, hp)
+    assert hp.get("attn_logit_softcapping") is None
+    if hp.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(hp["final_logit_softcapping"])
+    w.add_sliding_window(hp["sliding_window"])
+
+
+def _phi3_keys(w: GGUFWriter, hp: dict) -> None:
+    rope = hp["rope_parameters"]
+    # (The converter reads rope_parameters["original_max_position_embeddings"]; transformers 5 keeps
+    # it at the top level of configs without rope scaling.)
+    original = rope.get("original_max_position_embeddings", hp.get("original_max_position_embeddings"))
+    w.add_context_length(hp["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(original)
+    for add, key in ((w.add_embedding_length, "hidden_size"), (w.add_feed_forward_length, "intermediate_size"),
+                     (w.add_block_count, "num_hidden_layers"), (w.add_head_count, "num_attention_heads"),
+                     (w.add_head_count_kv, "num_key_value_heads"), (w.add_layer_norm_rms_eps, "rms_norm_eps")):
+        add(hp[key])
+    rotary_pct = rope.get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(int(rotary_pct * hp["hidden_size"]) // hp["num_attention_heads"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(hp.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = hp["max_position_embeddings"] / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+
+
+def _olmo2_keys(w: GGUFWriter, hp: dict) -> None:
+    _text_model_keys(w, hp)
+    if "sliding_window" in hp:
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+
+
+def _granite_keys(w: GGUFWriter, hp: dict) -> None:
+    _llama_model_keys(w, {k: v for k, v in hp.items() if k != "head_dim"})       # "Ignoring head_dim"
+    for add, key in ((w.add_attention_scale, "attention_multiplier"), (w.add_embedding_scale, "embedding_multiplier"),
+                     (w.add_residual_scale, "residual_multiplier"), (w.add_logit_scale, "logits_scaling")):
+        if hp.get(key):
+            add(hp[key])
+
+
+def _chatglm_keys(w: GGUFWriter, hp: dict) -> None:
+    n_embed, n_head = hp["hidden_size"], hp["num_attention_heads"]
+    w.add_context_length(hp.get("seq_length", n_embed))
+    w.add_embedding_length(n_embed)
+    w.add_feed_forward_length(hp.get("ffn_hidden_size", hp.get("intermediate_size", 4 * n_embed)))
+    w.add_block_count(hp["num_hidden_layers"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(hp.get("multi_query_group_num", hp.get("num_key_value_heads", n_head)))
+    w.add_layer_norm_rms_eps(hp.get("layernorm_epsilon", 1e-5))
+    w.add_rope_dimension_count(int(hp.get("attention_dim", n_embed // n_head) * hp.get("partial_rotary_factor", 0.5)))
+    w.add_rope_freq_base(10000 * hp.get("rope_ratio", 1))
+
+
+def _glm4_keys(w: GGUFWriter, hp: dict) -> None:
+    _text_model_keys(w, hp)
+    dim = hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"]
+    w.add_rope_dimension_count(int(dim * hp["rope_parameters"].get("partial_rotary_factor", 0.5)))
+
+
+def _cohere2_keys(w: GGUFWriter, hp: dict) -> None:
+    _text_model_keys(w, hp)
+    w.add_logit_scale(hp["logit_scale"])
+    w.add_sliding_window(hp["sliding_window"])
+    w.add_vocab_size(hp["vocab_size"])
+    w.add_rope_dimension_count(int(hp.get("rotary_pct", 1.0) * (hp["hidden_size"] // hp["num_attention_heads"])))
+    w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _exaone4_keys(w: GGUFWriter, hp: dict) -> None:
+    _text_model_keys(w, hp)
+    w.add_vocab_size(hp["vocab_size"])
+    if hp.get("sliding_window") is not None:
+        w.add_sliding_window(hp["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+
+
+CONVERTER_KEYS = {"gemma2": _gemma2_keys, "gemma3": _gemma3_keys, "phi3": _phi3_keys, "olmo2": _olmo2_keys,
+                  "granite": _granite_keys, "smollm3": _llama_model_keys, "chatglm": _chatglm_keys,
+                  "glm4": _glm4_keys, "cohere2": _cohere2_keys, "exaone4": _exaone4_keys,
+                  "starcoder2": _text_model_keys}
+_PERMUTES_QK = ("granite", "smollm3")            # LlamaModel subclasses
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+
+
+def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_hf_checkpoint(hf_dir: str, path: str, arch: str, qtype: Q = Q.F32) -> None:
+    """Write the HF checkpoint in `hf_dir` as a GGUF of `arch`, laid out as llama.cpp's converter does."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    hp = AutoConfig.from_pretrained(hf_dir).to_dict()
+    writer = GGUFWriter(path, arch)
+    CONVERTER_KEYS[arch](writer, hp)
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], hp["num_hidden_layers"])
+    tensors = {}
+    rope = hp.get("rope_parameters") or {}
+    if arch == "phi3" and rope.get("long_factor"):          # Phi3MiniModel.generate_extra_tensors
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], dtype=np.float32)
+    for name, value in load_file(f"{hf_dir}/model.safetensors").items():
+        value = value.astype(np.float32)
+        if arch in _NORM_PLUS_ONE and name == "lm_head.weight":
+            continue
+        if arch == "cohere2" and name.endswith(".bias"):
+            assert not value.any(), name
+            continue
+        if arch in _PERMUTES_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
+            value = _llama_permute(value, hp["num_attention_heads"])
+        if arch in _PERMUTES_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
+            value = _llama_permute(value, hp["num_key_value_heads"])
+        if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            value = value + 1
+        tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = value
+    for name, value in tensors.items():
+        if qtype != Q.F32 and value.ndim > 1 and name.endswith(".weight") and not name.endswith("_norm.weight"):
+            writer.add_tensor(name, quantize(value, qtype, np.random.default_rng(0)), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

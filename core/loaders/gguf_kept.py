@@ -74,7 +74,9 @@ def keep_embeddings_stored(model: nn.Module, method: Any) -> None:
             head.gguf_source = tied
         else:
             method.keep_stored(head)
-            head.gguf_source = head
+            # Not `head.gguf_source = head`: a module set as its own attribute becomes its own
+            # submodule, and walking the module tree never ends.
+            object.__setattr__(head, "gguf_source", head)
 
 
 def finish(model: nn.Module, method: Any) -> None:

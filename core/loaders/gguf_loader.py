@@ -1,31 +1,27 @@
 """GGUF checkpoints: HF config and tokenizer rebuilt from the metadata, tensors renamed to HF
-names, Q/K un-permuted for llama-family files. Tensors stay as stored (GGUFTensor); the GGUF
-checkpoint-format method (quantization/gguf.py) dequantizes each one as it is loaded."""
+names and llama.cpp's converter transforms undone (per family: core/loaders/gguf_families.py).
+Tensors stay as stored (GGUFTensor); the GGUF checkpoint-format method (quantization/gguf.py)
+dequantizes each one as it is loaded."""
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from tokenmill.quantization.gguf import GGUFTensor, dequantize
 
+from .gguf_families import FAMILIES, GGUFFamily, build_config, family_of
 from .gguf_file import GGUFFile
 
-# GGUF architecture -> (HF model_type, HF architecture class name)
-GGUF_ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-# llama.cpp's converter interleaves the two rotary halves of each q/k head for these
-# architectures (its rope kernel pairs adjacent dims); HF pairs dim i with i + D/2.
-_PERMUTED_QK_ARCHS = ("llama", "mistral")
+# GGUF architecture -> (HF model_type, HF architecture class name); core/loaders/gguf_families.py
+# says how each is read.
+GGUF_ARCHITECTURES = {arch: (f.model_type, f.architecture) for arch, f in FAMILIES.items()}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 _BLOCK_NAMES = {
@@ -42,8 +38,8 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# Tensors that are not weights of the HF network.
-_NON_WEIGHTS = ("rope_freqs.weight",)
+# Tensors that are not weights of the HF network (rope factors become config values).
+_NON_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _GENERATION_KEYS = {
     "general.sampling.temp": "temperature",
@@ -54,45 +50,32 @@ _GENERATION_KEYS = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, block_names: Optional[dict] = None) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_BLOCK_NAMES, **(block_names or {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF equivalent")
 
 
 def hf_architecture(gguf: GGUFFile) -> tuple[str, str]:
-    arch = gguf.architecture
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}")
-    return GGUF_ARCHITECTURES[arch]
-
-
-def _architecture_config(model_type: str, kwargs: dict[str, Any]) -> Any:
-    """The config object: a plain PretrainedConfig holding exactly the values the GGUF states,
-    when those are all the model needs. Importing transformers' per-architecture config modules
-    costs seconds of start-up (they pull in torch.distributed.tensor through transformers'
-    kernels integration) for nothing but defaults. Sliding windows and rope scaling keep the
-    architecture's own class: its derived fields (layer_types, rope_parameters) matter there."""
-    if "sliding_window" in kwargs or "rope_scaling" in kwargs:
-        from transformers import AutoConfig
-        return AutoConfig.for_model(model_type, **kwargs)
-    from transformers import PretrainedConfig
-    config = PretrainedConfig(**kwargs)
-    config.model_type = model_type
-    return config
+    return family_of(gguf).resolve(gguf)
 
 
 def gguf_config(gguf: GGUFFile) -> Any:
     """A transformers PretrainedConfig for the network this GGUF holds."""
-    model_type, arch_class = hf_architecture(gguf)
+    family = family_of(gguf)
+    model_type, arch_class = family.resolve(gguf)
     a = gguf.arch_value
     num_heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
-    vocab_size = a("vocab_size") or (len(tokens) if isinstance(tokens, list) else tokens)
+    embedding = gguf.tensors.get("token_embd.weight")
+    # The embedding's rows first: Gemma 3's converter trims them below config.vocab_size.
+    vocab_size = (embedding.shape[0] if embedding is not None else None) or a("vocab_size") or \
+        (len(tokens) if isinstance(tokens, list) else tokens)
     kwargs: dict[str, Any] = dict(
         architectures=[arch_class],
         num_hidden_layers=int(a("block_count")),
@@ -110,20 +93,14 @@ def gguf_config(gguf: GGUFFile) -> Any:
         eos_token_id=gguf.metadata.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=gguf.metadata.get("tokenizer.ggml.padding_token_id"),
     )
-    if model_type == "qwen2":
-        kwargs["attention_bias"] = True
-    window = a("attention.sliding_window")
-    if window:
-        kwargs["sliding_window"] = int(window)
-        if model_type == "qwen2":
-            kwargs["use_sliding_window"] = True
     scaling_type = a("rope.scaling.type")
     if scaling_type and scaling_type != "none":
         scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(a("rope.scaling.factor", 1.0))}
         if a("rope.scaling.original_context_length"):
             scaling["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
         kwargs["rope_scaling"] = scaling
-    config = _architecture_config(model_type, kwargs)
+    family.configure(gguf, kwargs)
+    config = build_config(family, model_type, kwargs)
     if "rope_freqs.weight" in gguf.tensors:
         # llama3-style scaling arrives as per-frequency divisors, not as config values.
         config.rope_freq_factors = dequantize(gguf.raw("rope_freqs.weight"), gguf.tensors["rope_freqs.weight"].qtype,
@@ -150,18 +127,55 @@ def _unpermute_rows(data: np.ndarray, rows: int, n_heads: int) -> np.ndarray:
     return by_row.reshape(n_heads, rows // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(-1)
 
 
+def _split_rows(name: str, info: Any, data: np.ndarray, sizes: list[int],
+                names: list[str]) -> list[tuple[str, GGUFTensor]]:
+    """A fused tensor (q/k/v, gate/up) cut into its parts by output rows. ggml blocks run along a
+    row, so each part's stored bytes are whole rows of the original: exact in every format."""
+    by_row = np.asarray(data).reshape(info.shape[0], -1)
+    out, start = [], 0
+    for size, part in zip(sizes, names):
+        rows = by_row[start:start + size].reshape(-1)
+        out.append((part, GGUFTensor(f"{name}[{start}:{start + size}]", rows, info.qtype, (size, *info.shape[1:]))))
+        start += size
+    return out
+
+
+def _unshifted(name: str, info: Any, data: np.ndarray, shift: float) -> GGUFTensor:
+    """A norm weight the converter stored as (1 + w) (Gemma): w again, as float32."""
+    values = dequantize(data, info.qtype, info.shape).numpy() - np.float32(shift)
+    return GGUFTensor(name, np.ascontiguousarray(values, dtype=np.float32).view(np.uint8), 0, info.shape)
+
+
+def _family_tensors(family: GGUFFamily, config: Any, name: str, info: Any,
+                    data: np.ndarray) -> list[tuple[str, GGUFTensor]]:
+    hf_name = hf_tensor_name(name.replace(".attn_qkv.", ".attn_q."), dict(family.block_names))
+    kind = name.split(".")[-2] if name.startswith("blk.") else ""
+    if family.norm_shift and name.endswith("norm.weight"):
+        return [(hf_name, _unshifted(name, info, data, family.norm_shift))]
+    if kind == "attn_qkv":
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
+        return _split_rows(name, info, data, sizes, [hf_name.replace(".q_proj.", f".{p}.") for p in
+                                                     ("q_proj", "k_proj", "v_proj")])
+    if kind == "ffn_up" and family.fused_ffn_up and info.shape[0] == 2 * config.intermediate_size:
+        half = config.intermediate_size
+        return _split_rows(name, info, data, [half, half], [hf_name.replace(".up_proj.", ".gate_proj."), hf_name])
+    if family.permuted_qk and kind in ("attn_q", "attn_k"):
+        # HF pairs rotary dims (i, i + D/2); llama.cpp's converter interleaved them.
+        heads = config.num_attention_heads if kind == "attn_q" else config.num_key_value_heads
+        data = _unpermute_rows(data, info.shape[0], heads)
+    return [(hf_name, GGUFTensor(name, data, info.qtype, info.shape))]
+
+
 def iterate_gguf_weights(gguf: GGUFFile, config: Any) -> Iterator[tuple[str, GGUFTensor]]:
-    """(HF name, stored tensor) for every weight of the file."""
-    permuted = gguf.architecture in _PERMUTED_QK_ARCHS
+    """(HF name, stored tensor) for every weight of the file, the converter's transforms undone:
+    Q/K un-permuted where it permuted them, Gemma's norms back to w, fused q/k/v and gate/up split
+    into the HF parts (whole rows of the stored blocks, so kept-quantized loading splits them too)."""
+    family = family_of(gguf)
     for name, info in gguf.tensors.items():
         if name in _NON_WEIGHTS:
             continue
-        data = gguf.raw(name)
-        if permuted and (".attn_q." in name or ".attn_k." in name):
-            # HF pairs rotary dims (i, i + D/2); llama.cpp's converter interleaved them.
-            data = _unpermute_rows(data, info.shape[0], config.num_attention_heads if ".attn_q." in name
-                                   else config.num_key_value_heads)
-        yield hf_tensor_name(name), GGUFTensor(name, data, info.qtype, info.shape)
+        yield from _family_tensors(family, config, name, info, gguf.raw(name))
 
 
 def gguf_tokenizer(gguf: GGUFFile) -> Any:
