@@ -32,7 +32,8 @@ from .engine_args import add_engine_args, engine_kwargs
 
 def add_bench_subparser(bench_subparsers) -> None:
     parser = bench_subparsers.add_parser("throughput", help="offline throughput on the standard workloads")
-    parser.add_argument("--workload", default="W1", help="W1, W2, W3, W4, all (= W1-W4) or W5 (text, single stream)")
+    parser.add_argument("--workload", default="W1", help="W1, W2, W3, W4, all (= W1-W4), W5 (text, single stream), or several "
+                        "separated by commas (W1,W2,W4)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported")
     parser.add_argument("--baseline", choices=["none", "hf", "vllm", "llamacpp"], default="none",
                         help="also run Hugging Face transformers generate() on the same model (hf, in this "
@@ -295,13 +296,25 @@ def _hf_baseline(model_path, workload, dtype_name: str, max_sequential: int) -> 
                              "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / batch_time}}
 
 
+def workload_names(spec: str, known: tuple[str, ...]) -> list[str]:
+    """--workload: "all" (W1-W4), one name, or several separated by commas ("W1,W2,W4"), in order."""
+    names: list[str] = []
+    for part in spec.split(","):
+        part = part.strip().upper()
+        for name in (known[:4] if part == "ALL" else (part,)):
+            if name not in known:
+                raise SystemExit(f"--workload must be all, {', '.join(known)} or a comma-separated list of "
+                                 f"them; got {spec!r}")
+            if name not in names:
+                names.append(name)
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
     from .workloads import WORKLOAD_NAMES, build_workload
 
-    names = WORKLOAD_NAMES if args.workload.lower() == "all" else [args.workload.upper()]
-    if any(n not in WORKLOAD_NAMES + ("W5",) for n in names):
-        raise SystemExit(f"--workload must be all, {', '.join(WORKLOAD_NAMES)} or W5; got {args.workload!r}")
+    names = workload_names(args.workload, WORKLOAD_NAMES + ("W5",))
     if args.num_requests is not None and args.num_requests < 1:
         raise SystemExit("--num-requests must be at least 1")
     if args.baseline_threads < 1:

@@ -249,3 +249,13 @@ def _real_run(engine: str, tmp_path, capsys, *extra: str):
     b = result["workloads"]["W2"]["baseline"]
     assert b["output_tokens"] == 256 and b["prompt_tokens"] == 128 and b["output_tok_s"] > 0
     assert result["baseline"]["engine_version"] and result["baseline"]["threads"] == 1
+
+
+def test_workloads_are_named_one_all_or_in_a_comma_separated_list():
+    from tokenmill.entrypoints.bench_throughput import workload_names
+    known = ("W1", "W2", "W3", "W4", "W5")
+    assert workload_names("W1,W2,w4", known) == ["W1", "W2", "W4"]
+    assert workload_names("all", known) == ["W1", "W2", "W3", "W4"]
+    assert workload_names("W5, W5", known) == ["W5"]
+    with pytest.raises(SystemExit, match="comma-separated list of them; got 'W1,W9'"):
+        workload_names("W1,W9", known)
