@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary, source
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 HEAD_SIZES = (64, 128)
 
 
@@ -30,10 +30,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.flash_prefill_available.argtypes = []
     lib.flash_prefill_bf16.restype = i64
     lib.flash_prefill_bf16.argtypes = [p, i64, p, i64, p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                                       i64, i64, p]
+                                       i64, i64, p, i64]
     lib.flash_prefill_batch_bf16.restype = i64
     lib.flash_prefill_batch_bf16.argtypes = [p, i64, p, i64, p, i64, p, i64, p, i64, i64, i64, i64, ctypes.c_float, i64,
-                                             p]
+                                             p, i64]
 
 
 LIBRARY = NativeLibrary(source("flash_prefill.cpp"), ABI_VERSION, _declare)
@@ -119,9 +119,10 @@ def covers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_offset: int, causal: bool,
-                  return_lse: bool = False):
+                  return_lse: bool = False, window: Optional[int] = None):
     """q [Tq, H, D] at positions q_offset + i, against k/v [Tk, Hkv, D] at positions 0 .. Tk - 1
-    (causal: query i sees keys <= q_offset + i). Returns [Tq, H, D] bf16, and with `return_lse`
+    (causal: query i sees keys <= q_offset + i; with a sliding `window`, also keys > q_offset + i -
+    window). Returns [Tq, H, D] bf16, and with `return_lse`
     the log-sum-exp [H, Tq] float32 of each query's scaled scores. `covers(q, k, v)` first."""
     tq, heads, d = q.shape
     tk, kv_heads, _ = k.shape
@@ -132,18 +133,19 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     rc = LIBRARY.require().flash_prefill_bf16(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d,
         tq, tk, heads, kv_heads, d, float(scale), int(q_offset), int(causal),
-        lse.data_ptr() if lse is not None else None)
+        lse.data_ptr() if lse is not None else None, int(window or 0))
     if rc != 0:
         raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
     return (out, lse) if return_lse else out
 
 
 def flash_prefill_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, starts: torch.Tensor,
-                        causal: bool, return_lse: bool = False):
+                        causal: bool, return_lse: bool = False, window: Optional[int] = None):
     """Whole prompts back to back in one call: prompt p is rows starts[p] .. starts[p + 1] - 1 of
     q [T, H, D] and k/v [T, Hkv, D] and attends to its own keys only, from position 0 (a batch of
     fresh prompts, or chunks' own tokens). `starts` int64 [batch + 1]. Returns [T, H, D] bf16, and
-    with `return_lse` the log-sum-exp [H, T] float32. `covers(q, k, v)` first."""
+    with `return_lse` the log-sum-exp [H, T] float32; `window` as flash_prefill's. `covers(q, k, v)`
+    first."""
     total, heads, d = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads:
@@ -156,7 +158,7 @@ def flash_prefill_batch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     rc = LIBRARY.require().flash_prefill_batch_bf16(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(), heads * d,
         starts.data_ptr(), starts.numel() - 1, heads, kv_heads, d, float(scale), int(causal),
-        lse.data_ptr() if lse is not None else None)
+        lse.data_ptr() if lse is not None else None, int(window or 0))
     if rc != 0:
         raise ValueError(f"flash_prefill: head size {d} is not one of {HEAD_SIZES}")
     return (out, lse) if return_lse else out

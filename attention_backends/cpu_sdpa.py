@@ -117,18 +117,26 @@ class CpuSdpaAttention(AttentionBackend):
         every chunk's keys back from the cache just written (a cached prefix several chunks share
         once), so no torch conversions of K/V, Q or the output and no partial outputs to merge
         (those conversions and merges were the larger part of a shared-prefix prompt step)."""
-        return (self.sliding_window is None and not self.logits_soft_cap and metadata.causal
+        return (self._window_in(metadata) is None and not self.logits_soft_cap and metadata.causal
                 and kv_cache.dtype in (torch.bfloat16, *FP8_DTYPES)
                 and query.dtype in (torch.float32, torch.bfloat16)
                 and self.head_size in cpu_paged_decode.PREFILL_HEAD_SIZES and kv_cache.is_contiguous()
                 and cpu_paged_decode.available() is None and cpu_paged_decode.prefill_may_run())
 
+    def _window_in(self, metadata: AttentionMetadata) -> Optional[int]:
+        """The sliding window where it hides keys from some query of this step's prompt chunks, else
+        None (a sequence no longer than the window sees all its keys)."""
+        window = self.sliding_window
+        lens = metadata.seq_lens_cpu[metadata.num_decodes:]
+        return window if window is not None and max(lens, default=0) > window else None
+
     def _fresh_run(self, metadata: AttentionMetadata, i: int) -> int:
-        """How many sequences from i on are whole prompts (no cached context) of sequence i's length."""
-        if self.sliding_window is not None or self.logits_soft_cap:
-            return 1
+        """How many sequences from i on are whole prompts (no cached context) of sequence i's length
+        (prompts longer than a sliding window go one at a time, through the windowed flash tiles)."""
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         length = qsl[i + 1] - qsl[i]
+        if self.logits_soft_cap or (self.sliding_window is not None and lens[i] > self.sliding_window):
+            return 1
         j = i
         while j < metadata.num_seqs and lens[j] == length and qsl[j + 1] - qsl[j] == length:
             j += 1
@@ -270,11 +278,13 @@ class CpuSdpaAttention(AttentionBackend):
         ctx = seq_len - q_len
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
-        simple = self.sliding_window is None and not self.logits_soft_cap
-        if ctx == 0 and simple:
-            flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype)
+        # A window hides keys only from queries further than it from the sequence's start.
+        window = self.sliding_window if self.sliding_window is not None and seq_len > self.sliding_window else None
+        if ctx == 0 and not self.logits_soft_cap:
+            flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype, window=window)
             if flash is not None:
                 return flash
+        if ctx == 0 and not self.logits_soft_cap and window is None:
             k, v = k_new, v_new
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
@@ -286,20 +296,23 @@ class CpuSdpaAttention(AttentionBackend):
             return o[0].transpose(0, 1)
         bs = metadata.block_size
         nblk = (seq_len + bs - 1) // bs
-        idx = metadata.block_tables[i, :nblk].to(torch.long)
-        kv = _gather_blocks(kv_cache, idx).view(2, nblk * bs, hkv, d)[:, :seq_len]
-        flash = self._flash(q, kv[0], kv[1], ctx, metadata.causal, kv_cache.dtype)
+        # Under a window, from the block of the first key any query sees (a hybrid KV layout has
+        # already released the blocks before it).
+        first = max(0, ctx - window + 1) // bs if window is not None and metadata.causal else 0
+        idx = metadata.block_tables[i, first:nblk].to(torch.long)
+        kv = _gather_blocks(kv_cache, idx).view(2, (nblk - first) * bs, hkv, d)[:, :seq_len - first * bs]
+        flash = self._flash(q, kv[0], kv[1], ctx - first * bs, metadata.causal, kv_cache.dtype, window=window)
         if flash is not None:
             return flash
         if kv.dtype != q.dtype:
             kv = self._read(kv, q.dtype)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        k_pos = torch.arange(first * bs, seq_len, device=q.device).unsqueeze(0)
         allowed = k_pos <= q_pos                                   # causal, offset by the cached context
         if not metadata.causal:
             allowed = torch.ones_like(allowed)
-        if self.sliding_window is not None:
-            allowed &= k_pos > q_pos - self.sliding_window
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         if self.logits_soft_cap:
             qh = q.view(q_len, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
             kh = kv[0].transpose(0, 1).unsqueeze(1)                # [Hkv, 1, S, D]
@@ -312,23 +325,24 @@ class CpuSdpaAttention(AttentionBackend):
         return o[0].transpose(0, 1)
 
     def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, causal: bool,
-               cache_dtype: torch.dtype, return_lse: bool = False):
+               cache_dtype: torch.dtype, return_lse: bool = False, window: Optional[int] = None):
         """The bf16 flash kernel where it applies: bf16 or float32 activations over a bf16 or fp8
         cache (every fp8 value is a bf16 value; float32 activations: only the query rounded, as
         for a bf16 cache, 2^-9 relative where the fp8 keys themselves carry 2^-4): faster than
-        widening the cache to float32 for SDPA. None elsewhere."""
-        if not self._flash_reads(q, cache_dtype):
+        widening the cache to float32 for SDPA. A sliding `window` (one that hides keys here): only
+        this library's tiles take it. None elsewhere."""
+        if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
             return None
-        if self.logits_soft_cap or self.sliding_window is not None:
+        if window is not None and (not causal or cpu_flash_prefill.torch_kernel_is_faster()):
             return None
         k, v = self._as_cached(k, v, cache_dtype)
         widen = q.dtype == torch.float32
         if widen:
             q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
-        if cpu_flash_prefill.torch_kernel_is_faster():
+        if window is None and cpu_flash_prefill.torch_kernel_is_faster():
             out = cpu_flash_prefill.torch_flash(q, k, v, self.scale, q_offset, causal, return_lse)
         elif cpu_flash_prefill.covers(q, k, v):
-            out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse)
+            out = cpu_flash_prefill.flash_prefill(q, k, v, self.scale, q_offset, causal, return_lse, window)
         else:
             return None
         if not widen:
@@ -337,10 +351,11 @@ class CpuSdpaAttention(AttentionBackend):
 
     def _flash_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, causal: bool,
                      cache_dtype: torch.dtype, return_lse: bool = False):
-        """_flash for whole prompts back to back (rows `starts`), all in one native call."""
-        if not self._flash_reads(q, cache_dtype):
+        """_flash for whole prompts back to back (rows `starts`), all in one native call (prompts no
+        longer than a sliding window: it hides nothing from them)."""
+        if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
             return None
-        if self.logits_soft_cap or self.sliding_window is not None:
+        if self.sliding_window is not None and int((starts[1:] - starts[:-1]).max()) > self.sliding_window:
             return None
         k, v = self._as_cached(k, v, cache_dtype)
         widen = q.dtype == torch.float32

@@ -32,8 +32,9 @@ from .engine_args import add_engine_args, engine_kwargs
 
 def add_bench_subparser(bench_subparsers) -> None:
     parser = bench_subparsers.add_parser("throughput", help="offline throughput on the standard workloads")
-    parser.add_argument("--workload", default="W1", help="W1, W2, W3, W4, all (= W1-W4), W5 (text, single stream), or several "
-                        "separated by commas (W1,W2,W4)")
+    parser.add_argument("--workload", default="W1",
+                        help="W1, W2, W3, W4, all (= W1-W4), W5 (text, single stream), or several separated by "
+                        "commas (W1,W2,W4)")
     parser.add_argument("--repeat", type=int, default=1, help="timed runs; the median is reported")
     parser.add_argument("--baseline", choices=["none", "hf", "vllm", "llamacpp"], default="none",
                         help="also run Hugging Face transformers generate() on the same model (hf, in this "

@@ -12,8 +12,9 @@ KERNELS = {"native": (cpu_flash_prefill.flash_prefill, cpu_flash_prefill.flash_p
            "torch": (cpu_flash_prefill.torch_flash, cpu_flash_prefill.torch_flash_batch)}
 
 
-def _reference(q, k, v, scale, q_offset, causal):
-    """float64 softmax(q k^T) v per head, query i at position q_offset + i; and the log-sum-exp."""
+def _reference(q, k, v, scale, q_offset, causal, window=None):
+    """float64 softmax(q k^T) v per head, query i at position q_offset + i (a sliding window: keys
+    more than `window` - 1 before it hidden too); and the log-sum-exp."""
     group = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(group, 1)
     vv = v.double().repeat_interleave(group, 1)
@@ -21,6 +22,8 @@ def _reference(q, k, v, scale, q_offset, causal):
     if causal:
         pos_q = torch.arange(q.shape[0]).unsqueeze(1) + q_offset
         scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) > pos_q, float("-inf"))
+        if window:
+            scores = scores.masked_fill(torch.arange(k.shape[0]).unsqueeze(0) <= pos_q - window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv), scores.logsumexp(-1)
 
 
@@ -73,6 +76,27 @@ def test_batch_of_prompts_matches_each_alone(kernel, lengths):
 
 
 @native_only
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("tq,tk,window", [(100, 100, 24), (37, 37, 16), (20, 90, 33), (64, 64, 1), (9, 9, 50)])
+def test_sliding_window_matches_float64(head_size, tq, tk, window):
+    """The native tiles under a sliding window (a window narrower than a tile of rows, chunks after
+    cached context, a window wider than the prompt); lse too; the batch entry the same per prompt."""
+    if cpu_flash_prefill.available() is not None:
+        pytest.skip(str(cpu_flash_prefill.available()))
+    torch.manual_seed(tq * window)
+    q = torch.randn(tq, 8, head_size).bfloat16()
+    k, v = torch.randn(tk, 2, head_size).bfloat16(), torch.randn(tk, 2, head_size).bfloat16()
+    out, lse = cpu_flash_prefill.flash_prefill(q, k, v, 0.1, tk - tq, True, return_lse=True, window=window)
+    ref, ref_lse = _reference(q, k, v, 0.1, tk - tq, True, window)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
+    if tq == tk:
+        starts = torch.tensor([0, tq, 2 * tq])
+        both = cpu_flash_prefill.flash_prefill_batch(torch.cat((q, q)), torch.cat((k, k)), torch.cat((v, v)), 0.1,
+                                                     starts, True, window=window)
+        assert torch.equal(both[:tq], out) and torch.equal(both[tq:], out)
+
+
 def test_strided_query_and_bad_head_size():
     """q, k, v as slices of fused projections, each its own token stride (the model's q and k
     come from the rotated [q | k] rows, v from the [q | k | v] rows); head size 80 refused."""

@@ -790,9 +790,11 @@ void activate(const FusedLayer& layer, const float* gate, const float* up, int64
       for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
       break;
     case 1:
+      // 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): the form that vectorizes like SiLU's.
+#pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
         const float g = gate[i];
-        a[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+        a[i] = g / (1.0f + std::exp(-2.0f * kSqrt2OverPi * (g + 0.044715f * g * g * g)));
       }
       break;
     case 2:

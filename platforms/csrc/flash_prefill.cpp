@@ -33,7 +33,7 @@
 
 #include "flash_tiles.h"
 
-extern "C" int tokenmill_kernels_abi_version() { return 2; }
+extern "C" int tokenmill_kernels_abi_version() { return 3; }
 
 
 namespace {
@@ -43,14 +43,16 @@ template <int D>
 void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
          int64_t v_stride, uint16_t* out,
          int64_t out_stride, int64_t tq, int64_t tk, int64_t num_heads, int64_t num_kv_heads, float scale,
-         int64_t q_offset, bool causal, float* lse) {
+         int64_t q_offset, bool causal, float* lse, int64_t window) {
   const int64_t blocks = (tk + kKeys - 1) / kKeys;
   const int64_t head = blocks * kKeys * D;    // both packed per KV head in whole blocks of keys
   static thread_local std::vector<uint16_t> kp, vp;
   kp.assign(num_kv_heads * head + kKeys * D, 0);     // + a zero block: AMX passes read two blocks
   vp.assign(num_kv_heads * head + kKeys * D, 0);
   pack_kv(k, k_stride, v, v_stride, tk, num_kv_heads, D, kp.data(), vp.data());
-  const bool amx = tokenmill_cpu::amx_usable();
+  // A sliding window runs on the AVX512-BF16 tiles (the AMX ones take none).
+  const bool windowed = causal && window > 0;
+  const bool amx = tokenmill_cpu::amx_usable() && !windowed;
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   const int64_t group = num_heads / num_kv_heads, tiles = (tq + tile_rows - 1) / tile_rows;
   const uint16_t* kpd = kp.data();
@@ -60,8 +62,12 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   for (int64_t item = 0; item < num_heads * tiles; ++item) {
     const int64_t tile = tiles - 1 - item / num_heads, h = item % num_heads, g = h / group;
     const int64_t i0 = tile * tile_rows;
-    tile_kernel<D>(amx)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
-                                                std::min(tile_rows, tq - i0), tk, scale, q_offset, causal, lse, tq);
+    if (windowed)
+      attend_tile_window<D>(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
+                            std::min(tile_rows, tq - i0), tk, scale, q_offset, window, lse, tq);
+    else
+      tile_kernel<D>(amx)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
+                          std::min(tile_rows, tq - i0), tk, scale, q_offset, causal, lse, tq);
   }
 }
 
@@ -71,11 +77,12 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
 template <int D>
 void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride, const uint16_t* v,
                int64_t v_stride, uint16_t* out, int64_t out_stride, const int64_t* starts, int64_t batch,
-               int64_t num_heads, int64_t num_kv_heads, float scale, bool causal, float* lse) {
+               int64_t num_heads, int64_t num_kv_heads, float scale, bool causal, float* lse, int64_t window) {
   std::vector<int64_t> packed(batch + 1, 0);        // offset of each prompt's packed heads
   std::vector<int64_t> first_item(batch + 1, 0);
   const int64_t group = num_heads / num_kv_heads;
-  const bool amx = tokenmill_cpu::amx_usable();
+  const bool windowed = causal && window > 0;
+  const bool amx = tokenmill_cpu::amx_usable() && !windowed;
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   for (int64_t p = 0; p < batch; ++p) {
     const int64_t len = starts[p + 1] - starts[p];
@@ -109,6 +116,12 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
     const int64_t local = item - first_item[p];
     const int64_t tile = tiles - 1 - local / num_heads, h = local % num_heads, g = h / group;
     const int64_t head = ((len + kKeys - 1) / kKeys) * kKeys * D, i0 = tile * tile_rows;
+    if (windowed) {
+      attend_tile_window<D>(q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
+                            out + starts[p] * out_stride, out_stride, h, i0, std::min(tile_rows, len - i0), len, scale,
+                            0, window, lse ? lse + starts[p] : nullptr, starts[batch]);
+      continue;
+    }
     tile_kernel<D>(amx)(
         q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
         out + starts[p] * out_stride, out_stride, h, i0, std::min(tile_rows, len - i0), len, scale, 0, causal,
@@ -125,15 +138,15 @@ extern "C" {
 int64_t flash_prefill_batch_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                                  const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride,
                                  const int64_t* starts, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_size, float scale, int64_t causal, float* lse) {
+                                 int64_t head_size, float scale, int64_t causal, float* lse, int64_t window) {
   if (head_size == 64) {
     run_batch<64>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, batch, num_heads, num_kv_heads,
-                  scale, causal != 0, lse);
+                  scale, causal != 0, lse, window);
     return 0;
   }
   if (head_size == 128) {
     run_batch<128>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, starts, batch, num_heads, num_kv_heads,
-                   scale, causal != 0, lse);
+                   scale, causal != 0, lse, window);
     return 0;
   }
   return -1;
@@ -148,15 +161,15 @@ int64_t flash_prefill_available() { return tokenmill_cpu::amx_usable() ? 3 : 1; 
 int64_t flash_prefill_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
                            const uint16_t* v, int64_t v_stride, uint16_t* out, int64_t out_stride, int64_t tq, int64_t tk,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_size, float scale, int64_t q_offset,
-                           int64_t causal, float* lse) {
+                           int64_t causal, float* lse, int64_t window) {
   if (head_size == 64) {
     run<64>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, tq, tk, num_heads, num_kv_heads, scale, q_offset,
-            causal != 0, lse);
+            causal != 0, lse, window);
     return 0;
   }
   if (head_size == 128) {
     run<128>(q, q_stride, k, k_stride, v, v_stride, out, out_stride, tq, tk, num_heads, num_kv_heads, scale, q_offset,
-             causal != 0, lse);
+             causal != 0, lse, window);
     return 0;
   }
   return -1;

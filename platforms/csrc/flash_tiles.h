@@ -131,12 +131,16 @@ struct Tile {
 
 // Keys [0, tk) of one KV head's packed K/V into the tile's softmax. Causal: row r sees keys
 // <= row0_pos + r (row0_pos: row 0's position counted from this span's first key); else all.
+// A sliding window (causal only; 0 = none): row r sees keys > row0_pos + r - window as well.
 template <int D>
 void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk, float scale, bool causal,
-                 int64_t row0_pos) {
+                 int64_t row0_pos, int64_t window = 0) {
   constexpr int C = D / 16, P = D / 2;
   const int64_t rows = t.rows;
   const int64_t last = causal ? std::min(tk, row0_pos + rows) : tk;     // keys [0, last) can be seen
+  const bool windowed = causal && window > 0;
+  // Keys before row 0's window are seen by no row: passes start at its block.
+  const int64_t first = windowed ? std::max<int64_t>(0, row0_pos - window + 1) : 0;
   // Scores in base 2 (t = s * scale * log2(e)) against a lazy reference maximum, as
   // attend_tile_amx64 keeps it: a row's reference moves (to the ceiling of its visible maximum,
   // rescaling its accumulators and sums by an exact power of two) only when a score passes it
@@ -161,6 +165,7 @@ void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk,
     }
     for (int r = 0; r < rows; ++r) {
       const int64_t limit = causal ? std::min(tk, row0_pos + r + 1) : tk;   // keys < limit
+      const int64_t lowest = windowed ? row0_pos + r - window + 1 : 0;         // keys >= lowest
       __mmask16 visible[NB];
       __m512 t2[NB];
       const __m512 bound = _mm512_set1_ps(t.m[r] + kLazyLog2);
@@ -168,6 +173,8 @@ void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk,
       for (int n = 0; n < NB; ++n) {
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>((b + n) * kKeys)));
         visible[n] = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(limit)));
+        if (windowed)
+          visible[n] &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(lowest)));
         t2[n] = _mm512_mul_ps(s[r][n], vscale);
         moves |= _mm512_mask_cmp_ps_mask(visible[n], t2[n], bound, _CMP_GT_OQ) != 0;
       }
@@ -216,7 +223,7 @@ void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk,
         for (int c = 0; c < C; ++c) _mm512_store_ps(t.acc[r0 + i] + 16 * c, o[i][c]);
     }
   };
-  int64_t b = 0;
+  int64_t b = first / kKeys;
   for (; (b + 1) * kKeys < last; b += 2) pass(std::integral_constant<int, 2>(), b);
   if (b * kKeys < last) pass(std::integral_constant<int, 1>(), b);
 }
@@ -229,6 +236,17 @@ void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const 
                  bool causal, float* lse, int64_t tq) {
   Tile<D> t(q + i0 * q_stride + h * D, q_stride, rows);
   attend_keys<D>(t, kp, vp, tk, scale, causal, q_offset + i0);
+  store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
+}
+
+// attend_tile under a sliding window (row at position p sees keys (p - window, p]): the AVX512-BF16
+// tiles only (the AMX ones take no window), skipping the key blocks before row 0's window.
+template <int D, typename Out = uint16_t>
+void attend_tile_window(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
+                        int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale,
+                        int64_t q_offset, int64_t window, float* lse, int64_t tq) {
+  Tile<D> t(q + i0 * q_stride + h * D, q_stride, rows);
+  attend_keys<D>(t, kp, vp, tk, scale, true, q_offset + i0, window);
   store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
 }
 
