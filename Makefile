@@ -64,7 +64,7 @@ test: install-test system-deps lint
 bench: install
 	$(VENV)/bin/tokenmill bench throughput --workload W1
 
-# docs/benchmarks.md from the results in docs/bench/*.json (tests/test_bench_report.py checks they agree).
+# docs/benchmarks.md from the results in docs/bench/*.json (tests/bench/test_bench_report.py checks they agree).
 bench-report: install
 	$(VENV)/bin/tokenmill bench report
 

@@ -124,8 +124,7 @@ class CpuSdpaAttention(AttentionBackend):
                 and cpu_paged_decode.available() is None and cpu_paged_decode.prefill_may_run())
 
     def _window_in(self, metadata: AttentionMetadata) -> Optional[int]:
-        """The sliding window where it hides keys from some query of this step's prompt chunks, else
-        None (a sequence no longer than the window sees all its keys)."""
+        """The window where it hides keys from some prompt chunk of the step (None: it hides none)."""
         window = self.sliding_window
         lens = metadata.seq_lens_cpu[metadata.num_decodes:]
         return window if window is not None and max(lens, default=0) > window else None
@@ -278,8 +277,7 @@ class CpuSdpaAttention(AttentionBackend):
         ctx = seq_len - q_len
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
-        # A window hides keys only from queries further than it from the sequence's start.
-        window = self.sliding_window if self.sliding_window is not None and seq_len > self.sliding_window else None
+        window = self.sliding_window if (self.sliding_window or seq_len) < seq_len else None   # one that hides keys
         if ctx == 0 and not self.logits_soft_cap:
             flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype, window=window)
             if flash is not None:
@@ -351,8 +349,7 @@ class CpuSdpaAttention(AttentionBackend):
 
     def _flash_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, causal: bool,
                      cache_dtype: torch.dtype, return_lse: bool = False):
-        """_flash for whole prompts back to back (rows `starts`), all in one native call (prompts no
-        longer than a sliding window: it hides nothing from them)."""
+        """_flash for whole prompts back to back (rows `starts`) in one native call, none past a window."""
         if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
             return None
         if self.sliding_window is not None and int((starts[1:] - starts[:-1]).max()) > self.sliding_window:

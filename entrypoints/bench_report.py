@@ -30,7 +30,7 @@ PREAMBLE = """\
 
 The current figures, per host class, each with the command that reproduces it. This page is
 generated from the result files in `docs/bench/` (`make bench-report` rewrites it;
-tests/test_bench_report.py fails when the two disagree). A figure is the newest result for its
+tests/bench/test_bench_report.py fails when the two disagree). A figure is the newest result for its
 host class, workload, mode and compared engine; older results live in git history.
 
 ## The workloads

@@ -297,23 +297,9 @@ def _hf_baseline(model_path, workload, dtype_name: str, max_sequential: int) -> 
                              "total_tok_s": (workload.num_output_tokens + workload.num_prompt_tokens) / batch_time}}
 
 
-def workload_names(spec: str, known: tuple[str, ...]) -> list[str]:
-    """--workload: "all" (W1-W4), one name, or several separated by commas ("W1,W2,W4"), in order."""
-    names: list[str] = []
-    for part in spec.split(","):
-        part = part.strip().upper()
-        for name in (known[:4] if part == "ALL" else (part,)):
-            if name not in known:
-                raise SystemExit(f"--workload must be all, {', '.join(known)} or a comma-separated list of "
-                                 f"them; got {spec!r}")
-            if name not in names:
-                names.append(name)
-    return names
-
-
 def run(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.llm import LLM
-    from .workloads import WORKLOAD_NAMES, build_workload
+    from .workloads import WORKLOAD_NAMES, build_workload, workload_names
 
     names = workload_names(args.workload, WORKLOAD_NAMES + ("W5",))
     if args.num_requests is not None and args.num_requests < 1:

@@ -78,3 +78,17 @@ def build_workload(name: str, tokenizer=None) -> Workload:
 
 
 WORKLOAD_NAMES = ("W1", "W2", "W3", "W4")
+
+
+def workload_names(spec: str, known: tuple[str, ...]) -> list[str]:
+    """--workload: "all" (W1-W4), one name, or several separated by commas ("W1,W2,W4"), in order."""
+    names: list[str] = []
+    for part in spec.split(","):
+        part = part.strip().upper()
+        for name in (known[:4] if part == "ALL" else (part,)):
+            if name not in known:
+                raise SystemExit(f"--workload must be all, {', '.join(known)} or a comma-separated list of "
+                                 f"them; got {spec!r}")
+            if name not in names:
+                names.append(name)
+    return names

@@ -331,3 +331,9 @@ def choose_decode_program(config: "EngineConfig", platform_name: str, offered: l
         raise ValueError(f"graph_capture {choice!r} is not offered by the {platform_name} platform "
                          f"(offers {offered})")
     return choice
+
+
+def graph_capturing(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s device is recording a graph now (CUDA graph capture): a layer then takes a
+    form without host synchronisation (no data-dependent shapes)."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -22,7 +22,7 @@ QType = GGMLQuantizationType
 
 # Stored as plain values: read them without the generic numpy path.
 _FLOAT_TYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
-# Block formats we test against gguf's reference (tests/test_gguf_quant.py).
+# Block formats we test against gguf's reference (tests/models/test_gguf_quant.py).
 _BLOCK_TYPES = (QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
                 QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)
 SUPPORTED_TYPES: tuple[QType, ...] = tuple(_FLOAT_TYPES) + _BLOCK_TYPES
@@ -82,7 +82,7 @@ def dequantize(data: np.ndarray, qtype: Union[int, QType], shape: tuple[int, ...
 
 # The commonest block formats in torch ops (multi-threaded; gguf.quants' numpy, single-threaded,
 # was a large part of start-up). Same arithmetic as gguf.quants, in the same order, so the values
-# are bit-identical (tests/test_gguf_quant.py compares them).
+# are bit-identical (tests/models/test_gguf_quant.py compares them).
 def _blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
     return raw.reshape(-1, block_bytes)
 

@@ -1,5 +1,5 @@
 """Writers of tiny quantized llama checkpoints in the on-disk layouts of AWQ (AutoAWQ "gemm"),
-GPTQ (AutoGPTQ/GPTQModel v1 and v2) and compressed-tensors, for tests/test_quant_formats.py.
+GPTQ (AutoGPTQ/GPTQModel v1 and v2) and compressed-tensors, for tests/models/test_quant_formats.py.
 
 The AWQ and GPTQ packers are numpy, written from the formats' documentation (AutoAWQ's
 WQLinear_GEMM.from_linear, AutoGPTQ's QuantLinear.pack), not from tokenmill's unpacking code.

@@ -3,7 +3,7 @@ scales in the model dtype; with `offset` (Gemma's `(1 + w)`) it scales in float3
 as Gemma's own norm does. LayerNorm (Cohere, StarCoder2) runs in float32 and rounds once.
 
 `F.rms_norm` on a half-precision input accumulates in float32 and rounds once, which is
-bit-identical to HF's explicit `x.float() ... .to(dtype)` (tests/test_models.py checks it)
+bit-identical to HF's explicit `x.float() ... .to(dtype)` (tests/models/test_models.py checks it)
 while saving two full-size copies per norm.
 """
 from __future__ import annotations

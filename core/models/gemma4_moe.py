@@ -18,6 +18,8 @@ from ..layers.activation import Activation
 from ..layers.linear import Linear
 from ..layers.params import plain_parameter
 
+from tokenmill.platforms.interface import graph_capturing
+
 
 class Gemma4RMSNorm(nn.Module):
     """x * (mean(x^2) + eps)^-1/2 * w in float32, rounded once (w as is, not Gemma 3's 1 + w);
@@ -72,7 +74,7 @@ class Gemma4Experts(nn.Module):
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token's experts' outputs, weighted and summed in expert order (transformers' order):
         each expert on the tokens that picked it."""
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        if graph_capturing(hidden):
             return self.dense(hidden, ids, weights)
         out = torch.zeros_like(hidden)
         picked = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)      # [E, k, T]

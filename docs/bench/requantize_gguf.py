@@ -9,7 +9,7 @@ Formats: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 (gguf-py's quantizers) for every matrix but th
 embedding (kept as the file's Q8_0); Q4_K, which gguf-py cannot quantize, by the min/max packer
 of tests/gguf_writers.py, for the matrices whose rows are whole 256-value super-blocks (SmolLM2's
 ffn_down only: its other rows are 576 wide), Q4_0 for the rest (as llama.cpp's Q4_K_M falls back
-per tensor); `mixed`: attention Q8_0, ffn_down Q4_K, gate/up Q4_0 (the file tests/test_gguf_native.py
+per tensor); `mixed`: attention Q8_0, ffn_down Q4_K, gate/up Q4_0 (the file tests/models/test_gguf_native.py
 runs). F32: every tensor dequantized to float32 (a float baseline of the same network). The values
 re-quantized are the Q4_1 file's, so each format is priced against that network, not the original
 bf16 one. The output carries every other key of the source file (tokenizer, chat template), so

@@ -10,7 +10,7 @@ from tokenmill.entrypoints.bench_report import render, throughput_rows, used_fil
 from tokenmill.entrypoints.bench_results import load_results, parse_mode
 from tokenmill.entrypoints.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EPYC = {"cpu": "AMD EPYC 9R14", "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16"], "cores": 2}
 XEON = {"cpu": "Intel Xeon Platinum 8488C", "isa": ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
                                                     "amx_bf16", "amx_int8"], "cores": 2}

@@ -4,7 +4,7 @@ matmuls call, the stored embedding is looked up by the model's own `embed`, and 
 the method's. So a decode step agrees with the eager gguf path to float rounding, greedy tokens are
 the same, no weight is copied, and a layer in a tiled format sends the model back to eager.
 
-Tiny random llama GGUF files written by tests/gguf_writers.py (as tests/test_gguf_native.py).
+Tiny random llama GGUF files written by tests/gguf_writers.py (as tests/models/test_gguf_native.py).
 """
 from __future__ import annotations
 

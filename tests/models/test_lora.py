@@ -199,7 +199,7 @@ def test_triton_op_under_the_interpreter_equals_the_torch_op():
     import sys
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (f"import sys; sys.path.insert(0, {tests!r}); from lora_helpers import check_triton_op; "
             "check_triton_op('float32'); check_triton_op('bfloat16')")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}

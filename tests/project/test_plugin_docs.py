@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "plugins.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
 BLOCK = re.compile(r"^```(?:python|toml)\n# file: (\S+)( \(append\))?\n(.*?)^```", re.S | re.M)
 
 

@@ -110,7 +110,7 @@ def test_run_batch_equals_singles(tmp_path, singles):
         assert _text(line["url"], rec["response"]["body"]) == singles[line["custom_id"]], line["custom_id"]
     by_id = {r["custom_id"]: r for r in out[N:]}
     assert by_id[None]["error"]["code"] == "invalid_json" and by_id[None]["response"] is None
-    # a generating model: the embeddings route refuses the line (tests/test_server_embeddings.py runs them)
+    # a generating model: the embeddings route refuses the line (tests/server/test_server_embeddings.py runs them)
     emb = by_id["emb"]["response"]
     assert emb["status_code"] == 400 and emb["body"]["error"]["code"] == "model_not_supported"
     assert by_id["url"]["error"]["code"] == "invalid_url"

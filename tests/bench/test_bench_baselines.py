@@ -252,7 +252,7 @@ def _real_run(engine: str, tmp_path, capsys, *extra: str):
 
 
 def test_workloads_are_named_one_all_or_in_a_comma_separated_list():
-    from tokenmill.entrypoints.bench_throughput import workload_names
+    from tokenmill.entrypoints.workloads import workload_names
     known = ("W1", "W2", "W3", "W4", "W5")
     assert workload_names("W1,W2,w4", known) == ["W1", "W2", "W4"]
     assert workload_names("all", known) == ["W1", "W2", "W3", "W4"]

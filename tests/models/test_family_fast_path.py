@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model_helpers import fused_and_eager_decode, generate, make_llm, save_tiny_checkpoint
-from test_dense_families import FAMILIES, PROMPTS, save_family
+from family_configs import FAMILIES, PROMPTS, save_family
 
 from tokenmill.core.models.llama import LlamaForCausalLM
 from tokenmill.platforms import cpu_decode_kernels as native

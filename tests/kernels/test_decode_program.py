@@ -1,7 +1,7 @@
 """The decode program a platform composes from a model's layer spec (platforms/interface.py
 DecodeProgram, LayerStructure; the cpu platform's fused_decode): a new dense family written only in
 the existing vocabulary runs through it with no C++ and no platform code; layers outside what the
-program expresses run eagerly (tests/test_family_fast_path.py: between native ones), and the log
+program expresses run eagerly (tests/models/test_family_fast_path.py: between native ones), and the log
 says which; `bench throughput --profile` shows which
 program and kernels ran."""
 from __future__ import annotations
