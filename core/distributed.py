@@ -168,13 +168,15 @@ def recv_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device:
 def _tp_problem(hf_config: Any, tp: int) -> Optional[str]:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    inter = getattr(hf_config, "intermediate_size", None)
     if heads % tp:
         return f"{heads} attention heads do not divide by {tp}"
     if kv % tp and tp % kv:        # fewer KV heads than ranks: each is replicated on tp/kv ranks
         return f"{kv} KV heads neither divide by {tp} nor divide {tp}"
-    if inter is not None and inter % tp:
-        return f"intermediate_size {inter} does not divide by {tp}"
+    # The dense MLP's, each expert's and the shared expert's (mixture-of-experts models).
+    for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        inter = getattr(hf_config, name, None)
+        if inter and inter % tp:
+            return f"{name} {inter} does not divide by {tp}"
     return None
 
 

@@ -109,13 +109,16 @@ class LayerKernels:
 
     Elementwise ops are callables that may return NotImplemented for an input they do not take (the
     layer then runs torch): rms_norm(x, weight, eps, residual), rotary(positions, x, cos_sin_cache),
-    silu_and_mul(x). Dense matmuls are objects with `prepare(weight) -> prepared` (once, after
-    loading) and `__call__(x, prepared, bias)`: `linear` for the layers kept unquantized, `lm_head`
-    for the vocabulary projection. A quantized layer's matmul is its quantization method's `apply`
-    (with the platform's QuantKernels); attention is the attention backend's."""
+    silu_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
+    layer's experts; core/layers/moe.py moe_reference is the contract). Dense matmuls are objects
+    with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:
+    `linear` for the layers kept unquantized, `lm_head` for the vocabulary projection. A quantized
+    layer's matmul is its quantization method's `apply` (with the platform's QuantKernels);
+    attention is the attention backend's."""
     rms_norm: Optional[Callable[..., Any]] = None
     rotary: Optional[Callable[..., Any]] = None
     silu_and_mul: Optional[Callable[..., Any]] = None
+    moe: Optional[Callable[..., Any]] = None
     linear: Any = None
     lm_head: Any = None
 

@@ -15,6 +15,7 @@ from tokenmill.platforms.interface import LayerKernels
 from .activation import SiluAndMul
 from .embedding import LMHead
 from .linear import Linear
+from .moe import FusedMoE
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -22,6 +23,7 @@ LAYER_KINDS: dict[str, type[nn.Module]] = {
     "rms_norm": RMSNorm,
     "rotary": RotaryEmbedding,
     "silu_and_mul": SiluAndMul,
+    "moe": FusedMoE,
     "linear": Linear,
     "lm_head": LMHead,
 }

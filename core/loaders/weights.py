@@ -29,12 +29,14 @@ def _target(name: str, packed: PackedMapping) -> tuple[str, Optional[Any]]:
     return name, None
 
 
-def _expected(params: Iterable[str], packed: PackedMapping) -> list[tuple[str, Optional[Any]]]:
-    """Every (parameter, shard id) a complete checkpoint fills."""
+def _expected(params: Mapping[str, nn.Parameter], packed: PackedMapping) -> list[tuple[str, Optional[Any]]]:
+    """Every (parameter, shard id) a complete checkpoint fills (a parameter stacking several
+    checkpoint tensors, a mixture-of-experts layer's, lists its own `checkpoint_shards`)."""
     out = []
-    for name in params:
+    for name, param in params.items():
         module = name.rpartition(".")[0].rpartition(".")[2]
         shards = [shard_id for _, shard_id in packed[module]] if module in packed else [None]
+        shards = getattr(param, "checkpoint_shards", None) or shards
         out += [(name, shard_id) for shard_id in shards]
     return out
 
@@ -54,12 +56,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
     loaded: set[tuple[str, Optional[Any]]] = set()
     # A model may name checkpoint tensors its own way (a prefix the checkpoint lacks; None: not a weight here).
     rename = getattr(model, "checkpoint_name", None)
+    # Stacked parameters (the experts of a mixture-of-experts layer) name their tensors' places themselves.
+    stacked = getattr(model, "stacked_target", None)
     for name, stored in weights:
         if rename is not None and (name := rename(name)) is None:
             continue
         if name in aliases or any(pattern in name for pattern in ignored):
             continue
-        target, shard_id = _target(name, packed)
+        found = stacked(name) if stacked is not None else None
+        target, shard_id = found if found is not None else _target(name, packed)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
@@ -76,7 +81,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]],
                 raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
             loaded.add((target, part_id))
     missing = [name if shard_id is None else f"{name}[{shard_id}]"
-               for name, shard_id in _expected(params, packed) if (name, shard_id) not in loaded]
+               for name, shard_id in _expected(params, packed)
+               if (name, shard_id) not in loaded and (name, None) not in loaded]     # or loaded whole
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}"
                          + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))

@@ -119,9 +119,10 @@ class DecoderMLP(nn.Module):
     down, under the family's checkpoint names)."""
 
     def __init__(self, config: Any, family: Any, structure: LayerStructure,
-                 dtype: torch.dtype, quant_method: QuantizationMethod) -> None:
+                 dtype: torch.dtype, quant_method: QuantizationMethod, size: Optional[int] = None) -> None:
+        """`size`: the intermediate size where it is not config.intermediate_size (a shared expert)."""
         super().__init__()
-        bias, size = family.mlp_bias(config), config.intermediate_size
+        bias, size = family.mlp_bias(config), size or config.intermediate_size
         self.gated = structure.ffn == "dense"
         up_name, down_name = ("gate_up_proj", "down_proj") if self.gated else family.plain_mlp_names
         self.up_name, self.down_name = up_name, down_name
@@ -155,7 +156,9 @@ class DecoderLayer(nn.Module):
         self.structure = structure
         self.self_attn = DecoderAttention(config, layer_idx, family, rotary, attn_backend_cls, dtype, kv_cache_dtype,
                                           quant_method)
-        self.mlp = DecoderMLP(config, family, structure, dtype, quant_method)
+        # An expert FFN (structure.ffn "moe") is the family's own (core/models/moe_families.py).
+        self.mlp = family.make_moe(config, layer_idx, dtype, quant_method) if structure.ffn == "moe" \
+            else DecoderMLP(config, family, structure, dtype, quant_method)
         placement = "parallel" if structure.parallel_block else structure.norm_placement
         self.norm_names = {slot: family.norm_names.get(slot, name) for slot, name in NORM_SLOTS[placement].items()}
         for name in self.norm_names.values():

@@ -201,11 +201,12 @@ class LlamaForCausalLM(nn.Module):
         layers = [DecoderLayerSpec(
             input_norm=weight(layer.norm("attn_in")), post_norm=weight(layer.norm("ffn_in")),
             attn_out_norm=weight(layer.norm("attn_out")), ffn_out_norm=weight(layer.norm("ffn_out")),
-            norm_bias=biases(layer), qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj, gate_up=layer.mlp.up,
-            down=layer.mlp.down, attention=layer.self_attn.attn,
+            norm_bias=biases(layer), qkv=layer.self_attn.qkv_proj, o=layer.self_attn.o_proj,
+            gate_up=getattr(layer.mlp, "up", None), down=getattr(layer.mlp, "down", None),    # None: an expert FFN
+            attention=layer.self_attn.attn,
             q_norm=weight(layer.self_attn.q_norm), k_norm=weight(layer.self_attn.k_norm), structure=layer.structure,
             cos_sin=layer.self_attn.rotary_emb.cos_sin_cache if layer.self_attn.rotary_emb is not None else None,
-            activation_constants=activation_constants(layer.mlp.act_fn), eager=layer)
+            activation_constants=activation_constants(getattr(layer.mlp, "act_fn", None)), eager=layer)
             for layer in model.layers]
         return DecoderStackSpec(
             embedding=model.embed_tokens.weight, final_norm=model.norm.weight, eps=float(model.norm.eps),
