@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.platforms.interface import graph_capturing
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
@@ -90,7 +91,7 @@ def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     t = topk_ids.shape[0]
     if t == 0:
         return out
-    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+    if graph_capturing(hidden):
         return _dense(hidden, w13, w2, topk_weights, topk_ids, activation)
     flat = topk_ids.t().reshape(-1)                  # slot-major: entry i is token i % t, slot i // t
     order = torch.argsort(flat, stable=True)
