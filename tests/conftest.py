@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET once, when it is first imported, and many packages import it
+# (peft, sentence-transformers, transformers kernels). Without a GPU its kernels can only run in
+# the interpreter, so it is set before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TESTS = Path(__file__).resolve().parent
 TEST_PLUGIN_SOURCES = [TESTS / "plugins" / "tokenmill_testplatform", TESTS / "plugins" / "tokenmill_brokenbackend"]
