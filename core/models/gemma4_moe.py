@@ -14,11 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.activation import Activation
 from ..layers.linear import Linear
+from ..layers.moe import moe_reference
 from ..layers.params import plain_parameter
-
-from tokenmill.platforms.interface import graph_capturing
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -60,36 +58,16 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4Experts(nn.Module):
+    """The experts as the checkpoint stores them (experts.gate_up_proj [E, 2 * size, H],
+    experts.down_proj [E, H, size]), run by the shared mixture-of-experts op (core/layers/moe.py)."""
+
     def __init__(self, config: Any, kind: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_experts, size, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.gate_up_proj = plain_parameter(self.num_experts, 2 * size, hidden, dtype=dtype)
         self.down_proj = plain_parameter(self.num_experts, hidden, size, dtype=dtype)
-        self.act_fn = Activation(kind)
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        self.activation = kind
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each token's experts' outputs, weighted and summed in expert order (transformers' order):
-        each expert on the tokens that picked it."""
-        if graph_capturing(hidden):
-            return self.dense(hidden, ids, weights)
-        out = torch.zeros_like(hidden)
-        picked = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)      # [E, k, T]
-        for e in torch.nonzero(picked.sum(dim=(1, 2)) > 0).flatten().tolist():
-            slot, token = torch.where(picked[e])
-            routed = self.expert(e, hidden[token]) * weights[token, slot, None]
-            out.index_add_(0, token, routed.to(out.dtype))
-        return out
-
-    def dense(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The same sums with no data-dependent shapes, for a captured graph: every expert on every
-        token, those a token did not pick weighted 0 (exact zeros added in the same order; only the
-        matmuls over more rows may round differently)."""
-        out = torch.zeros_like(hidden)
-        for e in range(self.num_experts):
-            weight = (weights * (ids == e)).sum(dim=-1, keepdim=True)
-            out += (self.expert(e, hidden) * weight).to(out.dtype)
-        return out
+        """Each token's experts' outputs, weighted and summed in expert order (transformers' order)."""
+        return moe_reference(hidden, self.gate_up_proj, self.down_proj, weights, ids, self.activation)

@@ -112,10 +112,12 @@ def test_config_reaches_the_layers(tmp_path):
 
 
 def test_experts_dense_form_sums_as_the_routed_one():
-    """The capture-safe form (every expert on every token, weighted 0 where not picked) gives the
-    routed loop's sums (in float64: the matmuls over more rows may round differently)."""
+    """The capture-safe form of the shared expert op (every expert on every token, weighted 0 where
+    not picked) gives the routed sums for Gemma 4's router and experts (in float64: the matmuls over
+    more rows may round differently)."""
     import transformers
 
+    from tokenmill.core.layers import moe
     from tokenmill.core.models.gemma4_moe import Gemma4Experts, Gemma4Router
     config = transformers.AutoConfig.for_model("gemma4_text", **CONFIGS["moe"])
     torch.manual_seed(0)
@@ -125,7 +127,8 @@ def test_experts_dense_form_sums_as_the_routed_one():
     hidden = torch.randn(7, 64, dtype=torch.float64)
     weights, ids = router(hidden)
     assert ids.shape == (7, 2) and len(set(ids.flatten().tolist())) > 2
-    torch.testing.assert_close(experts.dense(hidden, ids, weights), experts(hidden, ids, weights))
+    dense = moe._dense(hidden, experts.gate_up_proj, experts.down_proj, weights, ids, "gelu_tanh")
+    torch.testing.assert_close(dense, experts(hidden, ids, weights))
 
 
 def test_unsupported_config_refused():
