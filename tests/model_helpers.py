@@ -258,6 +258,22 @@ def generate(llm, prompts: list[list[int]], max_tokens: int = 10):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def assert_greedy_twice(llm, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Greedy tokens equal `expected` (chunked prefills of mixed-length prompts batched with decodes),
+    and again on a second pass whose full prompt blocks come from the prefix cache."""
+    first = generate(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in first] == expected
+    second = generate(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in second] == expected
+    assert second[0].num_cached_tokens >= 32
+
+
+def assert_logits_match(hf_model, path, prompt: list[int]) -> None:
+    """The last position's float32 logits of one prompt, tokenmill's against transformers'."""
+    model = load_for_test(path).model
+    torch.testing.assert_close(run_prompt(model, prompt), hf_last_logits(hf_model, prompt), atol=2e-4, rtol=2e-4)
+
+
 def make_llm(path, **kwargs):
     from tokenmill.entrypoints.llm import LLM
     args = dict(model=str(path), dtype="float32", device="cpu", num_threads=1, block_size=16,

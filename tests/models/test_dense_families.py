@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from family_configs import ARCHITECTURES, FAMILIES, PROMPTS, save_family
-from model_helpers import (generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt)
+from model_helpers import (assert_greedy_twice, assert_logits_match, generate, hf_greedy, load_for_test,
+                           make_llm, run_prompt)
 
 from tokenmill.core.models.transformers_impl import TransformersForCausalLM
 
@@ -21,18 +22,12 @@ def test_greedy_matches_transformers(tmp_path, model_type):
     model = llm.engine.bundle.model
     assert not isinstance(model, TransformersForCausalLM)
     assert type(model).__name__ == ARCHITECTURES[model_type]
-    first = generate(llm, PROMPTS)
-    assert [list(o.outputs[0].token_ids) for o in first] == expected
-    second = generate(llm, PROMPTS)                        # full blocks from the prefix cache
-    assert [list(o.outputs[0].token_ids) for o in second] == expected
-    assert second[0].num_cached_tokens >= 32
+    assert_greedy_twice(llm, PROMPTS, expected)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_logits_match_transformers(tmp_path, model_type):
-    hf = save_family(model_type, tmp_path, seed=1)
-    model = load_for_test(tmp_path).model
-    torch.testing.assert_close(run_prompt(model, PROMPTS[0]), hf_last_logits(hf, PROMPTS[0]), atol=2e-4, rtol=2e-4)
+    assert_logits_match(save_family(model_type, tmp_path, seed=1), tmp_path, PROMPTS[0])
 
 
 def test_vocabulary_entries_reach_the_layers(tmp_path):

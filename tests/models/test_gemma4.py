@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt, tiny_tokenizer
+from model_helpers import (assert_greedy_twice, assert_logits_match, hf_greedy, load_for_test,
+                           make_llm, run_prompt, tiny_tokenizer)
 
 VOCAB = 1000
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -55,18 +56,12 @@ def test_greedy_matches_transformers(tmp_path, name):
     expected = hf_greedy(hf, PROMPTS)
     llm = make_llm(tmp_path)
     assert type(llm.engine.bundle.model).__name__ == "Gemma4ForCausalLM"
-    first = generate(llm, PROMPTS)
-    assert [list(o.outputs[0].token_ids) for o in first] == expected
-    second = generate(llm, PROMPTS)                        # full blocks from the prefix cache
-    assert [list(o.outputs[0].token_ids) for o in second] == expected
-    assert second[0].num_cached_tokens >= 32
+    assert_greedy_twice(llm, PROMPTS, expected)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_logits_match_transformers(tmp_path, name):
-    hf = save(name, tmp_path, seed=1)
-    model = load_for_test(tmp_path).model
-    torch.testing.assert_close(run_prompt(model, PROMPTS[0]), hf_last_logits(hf, PROMPTS[0]), atol=2e-4, rtol=2e-4)
+    assert_logits_match(save(name, tmp_path, seed=1), tmp_path, PROMPTS[0])
 
 
 def test_lora_adapter_matches_peft(tmp_path):
