@@ -14,7 +14,11 @@ Tensor parallelism splits every expert's intermediate dimension over the ranks (
 and of up, w2 by columns) and all-reduces the routed sum, as a row-parallel Linear does.
 
 The computation is the op `moe(hidden, w13, w2, topk_weights, topk_ids, activation)`: a platform may
-supply it (LayerKernels.moe, may return NotImplemented); `moe_reference` is the torch one.
+supply it (LayerKernels.moe, may return NotImplemented); `moe_reference` is the torch one. GPT-OSS's
+experts add keyword arguments (given only where a layer has them): per-expert biases `w13_bias`
+[E, 2 * I] and `w2_bias` [E, H], and the activation "swiglu_oai" with `swiglu_alpha` / `swiglu_limit`
+(gate clamped above at limit, up to +-limit, (up + 1) * gate * sigmoid(alpha * gate)); a kernel that
+does not do them returns NotImplemented.
 """
 from __future__ import annotations
 
@@ -36,6 +40,13 @@ from .params import plain_parameter
 # Activations of a gated expert: act(gate) * up.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# Every expert activation the op takes: those, and GPT-OSS's clamped SwiGLU (its own form, _expert).
+EXPERT_ACTIVATIONS = (*sorted(_ACTIVATIONS), "swiglu_oai")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in EXPERT_ACTIVATIONS:
+        raise ValueError(f"expert activation {activation!r} (supported: {', '.join(EXPERT_ACTIVATIONS)})")
 
 
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
@@ -43,13 +54,19 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", r
                    correction_bias: Optional[torch.Tensor] = None,
                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), each
-    token's experts in descending order of their (bias-corrected) scores."""
+    token's experts in descending order of their (bias-corrected) scores. `scoring` "topk_softmax"
+    (GPT-OSS): the top-k logits, softmax over those k alone."""
+    if scoring == "topk_softmax":
+        if num_groups not in (None, 1) or correction_bias is not None:
+            raise ValueError("router scoring 'topk_softmax' takes no expert groups or correction bias")
+        values, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(values.float(), dim=-1) * routed_scaling_factor, ids
     if scoring == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
         scores = torch.sigmoid(logits.float())
     else:
-        raise ValueError(f"router scoring {scoring!r}: expected 'softmax' or 'sigmoid'")
+        raise ValueError(f"router scoring {scoring!r}: expected 'softmax', 'sigmoid' or 'topk_softmax'")
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups is not None and num_groups > 1:
         t, e = choice.shape
@@ -74,25 +91,34 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", r
     return weights, ids
 
 
-def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(_ACTIVATIONS[activation](gate) * up, w2)
+def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
+            b13: Optional[torch.Tensor] = None, b2: Optional[torch.Tensor] = None,
+            alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    gate, up = F.linear(x, w13, b13).chunk(2, dim=-1)
+    if activation == "swiglu_oai":          # transformers' GptOssExperts._apply_gate, op for op
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), w2, b2)
+    return F.linear(_ACTIVATIONS[activation](gate) * up, w2, b2)
 
 
 def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu", *, w13_bias: Optional[torch.Tensor] = None,
+                  w2_bias: Optional[torch.Tensor] = None, swiglu_alpha: float = 1.702,
+                  swiglu_limit: float = 7.0) -> torch.Tensor:
     """sum over each token's k experts of weight * expert(x), in hidden's dtype: the (token, slot)
     pairs sorted by expert, each expert run once on all its tokens (experts no token picked are
     skipped), its weighted outputs added in expert order (transformers' order). A weight multiplies
-    in its own dtype (float32 routing weights: in float32) before the sum in hidden's dtype."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"expert activation {activation!r} (supported: {', '.join(sorted(_ACTIVATIONS))})")
+    in its own dtype (float32 routing weights: in float32) before the sum in hidden's dtype.
+    `w13_bias` [E, 2 * I] / `w2_bias` [E, H]: each expert's biases (GPT-OSS); `swiglu_alpha` and
+    `swiglu_limit`: the "swiglu_oai" activation's constants."""
+    _check_activation(activation)
     out = torch.zeros_like(hidden)
     t = topk_ids.shape[0]
     if t == 0:
         return out
+    extra = (w13_bias, w2_bias, swiglu_alpha, swiglu_limit)
     if graph_capturing(hidden):
-        return _dense(hidden, w13, w2, topk_weights, topk_ids, activation)
+        return _dense(hidden, w13, w2, topk_weights, topk_ids, activation, *extra)
     flat = topk_ids.t().reshape(-1)                  # slot-major: entry i is token i % t, slot i // t
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
@@ -103,19 +129,27 @@ def moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
             continue
         token, slot = tokens[start:start + n], slots[start:start + n]
         start += n
-        routed = _expert(hidden[token], w13[e], w2[e], activation) * topk_weights[token, slot, None]
+        routed = _expert(hidden[token], w13[e], w2[e], activation, *_biases(e, w13_bias, w2_bias),
+                         swiglu_alpha, swiglu_limit) * topk_weights[token, slot, None]
         out.index_add_(0, token, routed.to(out.dtype))
     return out
 
 
+def _biases(e: int, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor]
+            ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    return (None if w13_bias is None else w13_bias[e]), (None if w2_bias is None else w2_bias[e])
+
+
 def _dense(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, activation: str) -> torch.Tensor:
+           topk_ids: torch.Tensor, activation: str, w13_bias: Optional[torch.Tensor] = None,
+           w2_bias: Optional[torch.Tensor] = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The same sum without data-dependent shapes (inside a captured CUDA graph): every expert on
     every token, weighted 0 where the token did not pick it."""
     out = torch.zeros_like(hidden)
     for e in range(w13.shape[0]):
         weight = (topk_weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
-        out += (_expert(hidden, w13[e], w2[e], activation) * weight).to(out.dtype)
+        expert = _expert(hidden, w13[e], w2[e], activation, *_biases(e, w13_bias, w2_bias), alpha, limit)
+        out += (expert * weight).to(out.dtype)
     return out
 
 
@@ -153,15 +187,17 @@ class FusedMoE(nn.Module):
                  num_groups: Optional[int] = None, topk_groups: Optional[int] = None,
                  correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  weights_in_hidden_dtype: bool = False, shared_expert: Optional[nn.Module] = None,
-                 shared_expert_gate: bool = False) -> None:
+                 shared_expert_gate: bool = False, router_bias: bool = False, expert_bias: bool = False,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
         """`weights_in_hidden_dtype`: the routing weights are rounded to the activations' dtype
-        before they multiply (Qwen2/3-MoE, OLMoE); else they multiply in float32 (Mixtral)."""
+        before they multiply (Qwen2/3-MoE, OLMoE); else they multiply in float32 (Mixtral).
+        `router_bias` / `expert_bias`: the router's and each expert's biases (GPT-OSS: w13_bias
+        [E, 2 * I] gate then up, w2_bias [E, H]); `swiglu_*`: the "swiglu_oai" activation's constants."""
         super().__init__()
         if quant_method is not None and not isinstance(quant_method, UnquantizedLinearMethod):
             raise ValueError(f"quantization {quant_method.name!r} does not cover mixture-of-experts layers yet: "
                              "the experts are kept as dense stacked weights; run this model unquantized")
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"expert activation {activation!r} (supported: {', '.join(sorted(_ACTIVATIONS))})")
+        _check_activation(activation)
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         if intermediate_size % self.tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} does not divide by "
@@ -174,7 +210,8 @@ class FusedMoE(nn.Module):
         self.num_groups, self.topk_groups = num_groups, topk_groups
         self.routed_scaling_factor = routed_scaling_factor
         self.weights_in_hidden_dtype = weights_in_hidden_dtype
-        self.gate = Linear(hidden_size, num_experts, dtype=dtype)          # the router, replicated
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.gate = Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)   # the router, replicated
         if correction_bias:        # DeepSeek V3 stores it with the router: mlp.gate.e_score_correction_bias
             self.gate.e_score_correction_bias = plain_parameter(num_experts, dtype=torch.float32)
         i = self.intermediate_size
@@ -184,13 +221,20 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
             # What a complete checkpoint fills (core/loaders/weights.py checks): each expert's tensors.
             param.checkpoint_shards = [(e, part) for e in range(num_experts) for part in parts]
+        self.w13_bias: Optional[nn.Parameter] = None
+        self.w2_bias: Optional[nn.Parameter] = None
+        if expert_bias:           # loaded whole (shard id None), this rank's part of w13_bias
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * i, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden_size, 1, dtype=dtype) if shared_expert_gate else None
         self._kernel: Any = None        # a platform's moe op (core/layers/kernels.py)
 
     def use_kernel(self, kernel: Any) -> None:
-        """Run the experts through `kernel(hidden, w13, w2, topk_weights, topk_ids, activation)` (a
-        platform's op; it may return NotImplemented). None: moe_reference."""
+        """Run the experts through `kernel(hidden, w13, w2, topk_weights, topk_ids, activation, **extra)`
+        (a platform's op, moe_reference's signature; `extra` only for biased / swiglu_oai experts; it
+        may return NotImplemented). None: moe_reference."""
         self._kernel = kernel
 
     # ------------------------------------------------------------------ loading
@@ -200,7 +244,9 @@ class FusedMoE(nn.Module):
         parallelism this rank's rows of gate and up, columns of down (narrowed before reading)."""
         i, rank, full = self.intermediate_size, self.tp_rank, self.intermediate_size * self.tp_size
         if shard_id is None:
-            if param is self.w13:
+            if param is self.w2_bias:            # every rank holds it whole (rank 0 adds it, `experts`)
+                loaded = loaded.materialize() if hasattr(loaded, "materialize") else loaded
+            elif param is self.w13 or param is self.w13_bias:
                 # This rank's rows of the gate half and of the up half.
                 loaded = self._narrow(loaded, 1, 0, 2 * i, 2 * full) if self.tp_size == 1 else torch.cat(
                     [self._narrow(loaded, 1, half * full + rank * i, i, 2 * full) for half in (0, 1)], dim=1)
@@ -243,11 +289,22 @@ class FusedMoE(nn.Module):
 
     def experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial routed sum (not yet all-reduced)."""
+        extra = self._extra_args()
         if self._kernel is not None:
-            out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+            out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra)
             if out is not NotImplemented:
                 return out
-        return moe_reference(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation)
+        return moe_reference(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra)
+
+    def _extra_args(self) -> dict[str, Any]:
+        """The op's keyword arguments beyond the plain gated experts (none for those): the biases
+        (the down bias on one rank only, so the all-reduce adds it once) and SwiGLU's constants."""
+        extra: dict[str, Any] = {}
+        if self.w13_bias is not None:
+            extra.update(w13_bias=self.w13_bias, w2_bias=self.w2_bias if self.tp_rank == 0 else None)
+        if self.activation == "swiglu_oai":
+            extra.update(swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        return extra
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
