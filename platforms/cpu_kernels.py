@@ -12,21 +12,23 @@ import torch
 
 from .native_build import NativeLibrary, source
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.rms_norm_f32.argtypes = [p, p, p, f32, p, p, i64, i64]
+    lib.rms_norm_f32.argtypes = [p, p, p, f32, f32, p, p, i64, i64]
     lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64]
     lib.silu_mul_f32.argtypes = [p, p, i64, i64]
-    lib.rms_norm_bf16.argtypes = [p, p, p, f32, p, p, i64, i64]
+    lib.rms_norm_bf16.argtypes = [p, p, p, f32, f32, p, p, i64, i64]
     lib.rope_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64]
     lib.silu_mul_bf16.argtypes = [p, p, i64, i64]
+    lib.gelu_tanh_mul_f32.argtypes = [p, p, i64, i64]
+    lib.gelu_tanh_mul_bf16.argtypes = [p, p, i64, i64]
     lib.quantize_rows_int8.argtypes = [p, i64, i64, i64, p, p, p, p]
     lib.dequantize_int32.argtypes = [p, p, p, p, p, p, i64, i64, p, p, i64]
     for fn in (lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32, lib.rms_norm_bf16, lib.rope_bf16, lib.silu_mul_bf16,
-               lib.quantize_rows_int8, lib.dequantize_int32):
+               lib.gelu_tanh_mul_f32, lib.gelu_tanh_mul_bf16, lib.quantize_rows_int8, lib.dequantize_int32):
         fn.restype = None
 
 

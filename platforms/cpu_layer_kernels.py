@@ -1,6 +1,6 @@
 """Native CPU kernels for the small per-layer ops (RMSNorm with its residual add, rotary
-embedding, SiLU-and-multiply), which the cpu platform offers the core by name
-(`CpuPlatform.layer_kernels`: "rms_norm", "rotary", "silu_and_mul") and the core swaps into its
+embedding, SiLU- and GELU-tanh-and-multiply), which the cpu platform offers the core by name
+(`CpuPlatform.layer_kernels`: "rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul") and the core swaps into its
 layers (core/layers/kernels.py).
 
 Why: after the matmuls, a one-token decode step spends its time dispatching ~45 small torch ops
@@ -35,7 +35,7 @@ class NativeRMSNorm:
     name = "native_rms_norm"
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> Any:
+                 eps: float, offset: float = 0.0) -> Any:
         if (x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
                 or not weight.is_contiguous()
                 or (residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()
@@ -46,7 +46,7 @@ class NativeRMSNorm:
         new_residual = torch.empty_like(x) if residual is not None else None
         norm = _lib().rms_norm_f32 if x.dtype == torch.float32 else _lib().rms_norm_bf16
         norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-             weight.data_ptr(), float(eps), out.data_ptr(),
+             weight.data_ptr(), float(eps), float(offset), out.data_ptr(),
              new_residual.data_ptr() if new_residual is not None else None, rows, cols)
         return out if residual is None else (out, new_residual)
 
@@ -82,6 +82,20 @@ class NativeSiluAndMul:
         return out
 
 
+class NativeGeluTanhAndMul:
+    name = "native_gelu_tanh_mul"
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        if x.dtype not in KERNEL_DTYPES or x.dim() != 2 or not x.is_contiguous():
+            return NotImplemented
+        rows, width = x.shape
+        out = torch.empty((rows, width // 2), dtype=x.dtype)
+        gelu_mul = _lib().gelu_tanh_mul_f32 if x.dtype == torch.float32 else _lib().gelu_tanh_mul_bf16
+        gelu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+
 def native_layer_kernels() -> LayerKernels:
     """The elementwise kernels; the caller checks `cpu_kernels.available()` first."""
-    return LayerKernels(rms_norm=NativeRMSNorm(), rotary=NativeRotary(), silu_and_mul=NativeSiluAndMul())
+    return LayerKernels(rms_norm=NativeRMSNorm(), rotary=NativeRotary(), silu_and_mul=NativeSiluAndMul(),
+                        gelu_tanh_and_mul=NativeGeluTanhAndMul())

@@ -108,8 +108,9 @@ class LayerKernels:
     """The op kernels a platform offers the core's layers, by op kind; every one optional.
 
     Elementwise ops are callables that may return NotImplemented for an input they do not take (the
-    layer then runs torch): rms_norm(x, weight, eps, residual), rotary(positions, x, cos_sin_cache),
-    silu_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
+    layer then runs torch): rms_norm(x, residual, weight, eps, offset=0.0) (offset: Gemma's 1 in
+    (1 + w), scaled in float32), rotary(positions, x, cos_sin_cache), silu_and_mul(x),
+    gelu_tanh_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
     layer's experts; core/layers/moe.py moe_reference is the contract). Dense matmuls are objects
     with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:
     `linear` for the layers kept unquantized, `lm_head` for the vocabulary projection. A quantized
@@ -118,6 +119,7 @@ class LayerKernels:
     rms_norm: Optional[Callable[..., Any]] = None
     rotary: Optional[Callable[..., Any]] = None
     silu_and_mul: Optional[Callable[..., Any]] = None
+    gelu_tanh_and_mul: Optional[Callable[..., Any]] = None
     moe: Optional[Callable[..., Any]] = None
     linear: Any = None
     lm_head: Any = None

@@ -58,8 +58,18 @@ class GatedActivation(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
+        self._kernel = None
+
+    def use_kernel(self, kernel) -> None:
+        """A platform's fused GELU-tanh-and-multiply `kernel(x)` (it may return NotImplemented),
+        used where this activation is GELU-tanh. None: torch."""
+        self._kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and self.kind == "gelu_tanh":
+            out = self._kernel(x)
+            if out is not NotImplemented:
+                return out
         gate, up = x.chunk(2, dim=-1)
         return _elementwise(self.kind, gate) * up
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.platforms.interface import LayerKernels
 
-from .activation import SiluAndMul
+from .activation import GatedActivation, SiluAndMul
 from .embedding import LMHead
 from .linear import Linear
 from .moe import FusedMoE
@@ -23,6 +23,7 @@ LAYER_KINDS: dict[str, type[nn.Module]] = {
     "rms_norm": RMSNorm,
     "rotary": RotaryEmbedding,
     "silu_and_mul": SiluAndMul,
+    "gelu_tanh_and_mul": GatedActivation,
     "moe": FusedMoE,
     "linear": Linear,
     "lm_head": LMHead,

@@ -39,11 +39,23 @@ class RMSNorm(nn.Module):
         # The weight is applied after rounding to the input dtype, exactly where HF applies it.
         return F.rms_norm(x, (self.hidden_size,), eps=self.eps) * self.weight
 
+    def _kernel_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]):
+        """The platform's kernel over rows of hidden_size (a per-head q/k norm's [T, heads, D] view
+        made contiguous rows first: one copy instead of the torch path's passes)."""
+        shape = x.shape
+        if x.dim() != 2 and residual is None:
+            x = x.reshape(-1, self.hidden_size)
+        args = (x, residual, self.weight, self.eps)
+        out = self._kernel(*args, offset=self.offset) if self.offset else self._kernel(*args)
+        if out is NotImplemented or residual is not None:
+            return out
+        return out.view(shape)
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual) — the
         pre-norm decoder's residual add folded into the next norm."""
-        if self._kernel is not None and not self.offset:     # the platform's kernel scales by w
-            out = self._kernel(x, residual, self.weight, self.eps)
+        if self._kernel is not None:
+            out = self._kernel_forward(x, residual)
             if out is not NotImplemented:
                 return out
         if residual is None:

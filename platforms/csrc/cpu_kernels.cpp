@@ -1,6 +1,6 @@
 // Native CPU kernels of the cpu platform:
 //  * the small per-layer ops of a decode step (residual add + RMSNorm, rotary embedding,
-//    SiLU-and-multiply), each one call instead of 3-8 torch ops, whose dispatch overhead is what
+//    SiLU- and GELU-tanh-and-multiply), each one call instead of 3-8 torch ops, whose dispatch overhead is what
 //    a one-token step spends its time on after the matmuls;
 //  * the two ends of an int8 x int8 GEMM with per-token activation scales (quantize the rows,
 //    taking out the outlier channels; dequantize the int32 result), each one pass over memory
@@ -28,11 +28,12 @@ using tokenmill_cpu::round_to_bf16;
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 8; }
+int tokenmill_kernels_abi_version() { return 9; }
 
-// out = rmsnorm(x (+ residual)) * weight; with residual non-null, residual_out = x + residual.
-// Rows are contiguous; threads only for batches big enough to pay for waking them.
-void rms_norm_f32(const float* x, const float* residual, const float* weight, float eps, float* out,
+// out = rmsnorm(x (+ residual)) * (offset + weight); with residual non-null, residual_out = x +
+// residual. offset is Gemma's 1 in (1 + w), else 0. Rows are contiguous; threads only for batches
+// big enough to pay for waking them.
+void rms_norm_f32(const float* x, const float* residual, const float* weight, float eps, float offset, float* out,
                   float* residual_out, int64_t rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (rows >= 16)
   for (int64_t r = 0; r < rows; ++r) {
@@ -51,7 +52,7 @@ void rms_norm_f32(const float* x, const float* residual, const float* weight, fl
     for (int64_t c = 0; c < cols; ++c) ss += src[c] * src[c];
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) orow[c] = src[c] * inv * weight[c];
+    for (int64_t c = 0; c < cols; ++c) orow[c] = src[c] * inv * (offset + weight[c]);
   }
 }
 
@@ -93,9 +94,10 @@ void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
 // rounded to bf16 (nearest even) wherever torch's bf16 ops round, so the results are torch's to
 // within the float32 rounding of the reductions and exp (conversions: tokenmill_cpu.h).
 
-// out = round(round(norm(s)) * weight), s = x or round(x + residual) (also written to residual_out).
-void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, float eps, uint16_t* out,
-                   uint16_t* residual_out, int64_t rows, int64_t cols) {
+// out = round(round(norm(s)) * weight), s = x or round(x + residual) (also written to residual_out);
+// with an offset (Gemma's 1 + w, scaled in float32 as Gemma's norm does) out = round(norm(s) * (offset + w)).
+void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* weight, float eps, float offset,
+                   uint16_t* out, uint16_t* residual_out, int64_t rows, int64_t cols) {
 #pragma omp parallel if (rows >= 16)
   {
     std::vector<float> buffer(cols);
@@ -121,8 +123,13 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* 
       for (int64_t c = 0; c < cols; ++c) ss += src[c] * src[c];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(cols) + eps);
       uint16_t* orow = out + r * cols;
+      if (offset != 0.0f) {
 #pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(round_to_bf16(src[c] * inv) * bf16_to_f32(weight[c]));
+        for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(src[c] * inv * (offset + bf16_to_f32(weight[c])));
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) orow[c] = f32_to_bf16(round_to_bf16(src[c] * inv) * bf16_to_f32(weight[c]));
+      }
     }
   }
 }
@@ -165,6 +172,46 @@ void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter
       for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
+    }
+  }
+}
+
+// GELU with the tanh approximation as 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): the form whose exp
+// loop vectorizes like SiLU's.
+static inline float gelu_tanh(float g) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return g / (1.0f + std::exp(-2.0f * kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+}
+
+// out [rows, inter] = gelu_tanh(x[:, :inter]) * x[:, inter:] (Gemma's GeGLU), x rows contiguous.
+void gelu_tanh_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * 2 * inter;
+    const float* up = gate + inter;
+    float* orow = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) orow[i] = gelu_tanh(gate[i]) * up[i];
+  }
+}
+
+// out = round(round(gelu_tanh(gate)) * up), as torch's bf16 ops round.
+void gelu_tanh_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> buffer(inter);
+    float* __restrict g = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* gate = x + r * 2 * inter;
+      const uint16_t* up = gate + inter;
+      uint16_t* orow = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = gelu_tanh(g[i]);
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
     }

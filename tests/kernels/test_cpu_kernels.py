@@ -324,13 +324,15 @@ def test_int8_quantize_and_dequantize_match_torch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_kernels_match_the_torch_layers(dtype):
-    """RMSNorm (with and without the residual add), rotary embedding on a strided view of a fused
-    qkv output, and SiLU-and-multiply: native and torch agree to float32 rounding; in bf16 they
+    """RMSNorm (with and without the residual add; Gemma's (1 + w) form, also over a per-head
+    [T, heads, D] view), rotary embedding on a strided view of a fused qkv output, and SiLU- and
+    GELU-tanh-and-multiply: native and torch agree to float32 rounding; in bf16 they
     round where torch's bf16 ops round, so all but a few elements (exp's last bit) are equal."""
-    from tokenmill.core.layers.activation import SiluAndMul
+    from tokenmill.core.layers.activation import GatedActivation, SiluAndMul
     from tokenmill.core.layers.norm import RMSNorm
     from tokenmill.core.layers.rotary import RotaryEmbedding
-    from tokenmill.platforms.cpu_layer_kernels import NativeRMSNorm, NativeRotary, NativeSiluAndMul
+    from tokenmill.platforms.cpu_layer_kernels import (NativeGeluTanhAndMul, NativeRMSNorm, NativeRotary,
+                                                       NativeSiluAndMul)
 
     def agree(got, want):
         if dtype == torch.float32:
@@ -350,6 +352,20 @@ def test_layer_kernels_match_the_torch_layers(dtype):
         for got, want in zip(norm(x, res), plain_pair):
             agree(got, want)
 
+        gemma = RMSNorm(576, 1e-6, dtype=dtype, offset=1.0)
+        gemma.weight.data.normal_(0, 0.3)
+        head_norm = RMSNorm(64, 1e-6, dtype=dtype, offset=1.0)
+        head_norm.weight.data.normal_(0, 0.3)
+        heads = torch.randn(rows, 12, 64, dtype=dtype)[:, :9]       # q heads of a fused q|k view
+        plain, plain_pair, plain_heads = gemma(x), gemma(x, res), head_norm(heads)
+        gemma.use_kernel(NativeRMSNorm())
+        head_norm.use_kernel(NativeRMSNorm())
+        agree(gemma(x), plain)
+        for got, want in zip(gemma(x, res), plain_pair):
+            agree(got, want)
+        assert head_norm(heads).shape == (rows, 9, 64)
+        agree(head_norm(heads), plain_heads)
+
         rope = RotaryEmbedding(64, 512, 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), dtype=dtype)
         qkv = torch.randn(rows, (9 + 3 + 3) * 64, dtype=dtype)
         qk = qkv[:, :12 * 64].view(rows, 12, 64)  # row stride 15 * 64: not contiguous
@@ -364,6 +380,11 @@ def test_layer_kernels_match_the_torch_layers(dtype):
         plain = act(h)
         act.use_kernel(NativeSiluAndMul())
         agree(act(h), plain)
+
+        geglu = GatedActivation("gelu_tanh")
+        plain = geglu(h)
+        geglu.use_kernel(NativeGeluTanhAndMul())
+        agree(geglu(h), plain)
     # What a kernel does not cover falls back to torch.
     assert NativeSiluAndMul()(torch.randn(2, 8, dtype=torch.float16)) is NotImplemented
     assert NativeRMSNorm()(x, None, norm.weight.float() if dtype == torch.bfloat16 else norm.weight.bfloat16(),
