@@ -90,6 +90,9 @@ class AttentionConfig:
     graph_capture: str = "none"           # "none", "torch.compile", "cuda_graphs", "xla"
     device: str = "cpu"
     causal: bool = True                   # False: bidirectional attention (encoder models)
+    # Multi-head latent attention (DeepSeek V2/V3): the cache holds one compressed latent and rope key
+    # per token (head_size = their width, one KV head), attended through `forward_mla`.
+    mla: bool = False
 
 
 class AttentionBackend:
@@ -106,6 +109,7 @@ class AttentionBackend:
     supports_logits_soft_cap: ClassVar[bool] = False
     supports_attention_sinks: ClassVar[bool] = False
     supports_non_causal: ClassVar[bool] = False        # honours AttentionMetadata.causal=False
+    supports_mla: ClassVar[bool] = False               # implements forward_mla (multi-head latent attention)
     supported_graph_modes: ClassVar[tuple[str, ...]] = ("none",)
 
     @classmethod
@@ -142,6 +146,8 @@ class AttentionBackend:
             reasons.append("logits soft-cap not supported")
         if config.attention_sinks and not cls.supports_attention_sinks:
             reasons.append("attention sinks not supported")
+        if config.mla and not cls.supports_mla:
+            reasons.append("multi-head latent attention (MLA) not supported")
         if not config.causal and not cls.supports_non_causal:
             reasons.append("non-causal (bidirectional) attention not supported")
         if config.graph_capture not in cls.supported_graph_modes:
@@ -175,6 +181,16 @@ class AttentionBackend:
 
         query: [T, H, D]. Returns [T, H, D] in query's dtype.
         """
+        raise NotImplementedError
+
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                    kv_cache: torch.Tensor, metadata: AttentionMetadata, kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention (backends with supports_mla): write latent [T, L] | k_pe [T, R]
+        into kv_cache [num_blocks, block_size, L + R] at metadata.slot_mapping, then attend.
+
+        q_nope [T, H, N], q_pe [T, H, R] (rotated); kv_b_weight [H, N + V, L] expands a latent into each
+        head's key (its first N rows) and value (the last V): key = (W_UK latent | k_pe), value =
+        W_UV latent. Returns [T, H, V] in q_nope's dtype."""
         raise NotImplementedError
 
     def native_decode_fn(self, kv_cache: torch.Tensor) -> Optional[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .interface import AttentionBackend, AttentionMetadata, from_kv, write_kv
+from .mla import attend_expanded, context_rows, write_latent
 
 
 class ReferenceAttention(AttentionBackend):
@@ -15,6 +16,7 @@ class ReferenceAttention(AttentionBackend):
     supports_sliding_window = True
     supports_logits_soft_cap = True
     supports_non_causal = True
+    supports_mla = True
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: per-tensor k/v scales
     supported_graph_modes = ("none",)
 
@@ -45,4 +47,15 @@ class ReferenceAttention(AttentionBackend):
             scores = scores.masked_fill(~allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        return out
+
+    def forward_mla(self, q_nope, q_pe, latent, k_pe, kv_cache, metadata: AttentionMetadata, kv_b_weight):
+        """The expanded form for every sequence (attention_backends/mla.py)."""
+        write_latent(latent, k_pe, kv_cache, metadata.slot_mapping, self.k_scale)
+        out = q_nope.new_empty(*q_nope.shape[:2], kv_b_weight.shape[1] - q_nope.shape[-1])
+        for i in range(metadata.num_seqs):
+            start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+            rows = context_rows(kv_cache, metadata.block_tables[i], metadata.seq_lens_cpu[i], torch.float32,
+                                self.k_scale)
+            out[start:end] = attend_expanded(q_nope[start:end], q_pe[start:end], rows, kv_b_weight, self.scale)
         return out

@@ -93,3 +93,33 @@ def kv_layout(windows: list[Optional[int]], hybrid: bool = True) -> KVLayout:
         layers = by_type[window]
         groups += [KVGroup(window, tuple(layers[i:i + size])) for i in range(0, len(layers), size)]
     return KVLayout(tuple(groups), size)
+
+
+@dataclass(frozen=True)
+class MLAKVSpec:
+    """The KV cache of a multi-head latent attention layer (DeepSeek V2/V3): per token one row of the
+    compressed latent (kv_lora_rank) and the rope key (qk_rope_head_dim), shared by every head,
+    where an uncompressed cache would hold each head's key (nope + rope dims) and value."""
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.width)
+
+    def uncompressed_width(self) -> int:
+        return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+    def describe(self, element_size: int, num_layers: int) -> str:
+        """The start-up log's line: bytes per token against an uncompressed cache."""
+        ours, full = self.width * element_size * num_layers, self.uncompressed_width() * element_size * num_layers
+        return (f"MLA KV cache: {ours} bytes per token ({num_layers} layers x ({self.kv_lora_rank} latent + "
+                f"{self.qk_rope_head_dim} rope) x {element_size} bytes); an uncompressed cache would need {full} "
+                f"({self.num_heads} heads x ({self.qk_nope_head_dim} + {self.qk_rope_head_dim} + {self.v_head_dim})), "
+                f"{full / ours:.1f}x more")

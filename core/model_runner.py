@@ -19,7 +19,7 @@ from tokenmill.platforms.interface import ModelView
 
 from . import distributed
 from .config import EngineConfig
-from .kv_groups import KVLayout, kv_layout
+from .kv_groups import KVLayout, MLAKVSpec, kv_layout
 from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
 from .sequence import Sequence
@@ -78,6 +78,8 @@ class ModelRunner:
             hybrid=config.parallel.pipeline_parallel_size == 1 and self.causal
             and not config.cache.disable_hybrid_kv_cache_manager)
 
+        # A layer's own cache geometry where it is not keys and values per KV head (MLA's latent rows).
+        self.kv_spec: Optional[MLAKVSpec] = getattr(self.layers[0], "kv_spec", None)
         self.bytes_per_block = self._bytes_per_block()
         override = config.cache.num_gpu_blocks_override
         if override is not None:
@@ -92,6 +94,9 @@ class ModelRunner:
                 f"no room for the KV cache: one block needs {self.bytes_per_block} bytes "
                 f"(raise kv_cache_memory / gpu_memory_utilization)")
         self._allocate_kv_cache(self.num_blocks)
+        if self.kv_spec is not None:
+            element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+            logger.info(self.kv_spec.describe(element, len(self.layers)))
         if self.kv_layout.hybrid:
             logger.info(self.kv_layout.describe(self.num_blocks, self.block_size, self.bytes_per_block,
                                                 self.max_model_len))
@@ -140,13 +145,17 @@ class ModelRunner:
                          device=torch.device(self.device), world_size=parallel.world_size)
 
     # ------------------------------------------------------------------ KV pool
+    def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.kv_spec is not None:
+            return self.kv_spec.cache_shape(num_blocks, self.block_size)
+        return self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
     def _bytes_per_block(self) -> int:
-        shape = self.backend_cls.kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_size)
         element = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return math.prod(shape) * element * self.kv_layout.group_size
+        return math.prod(self._kv_shape(1)) * element * self.kv_layout.group_size
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = self.backend_cls.kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        shape = self._kv_shape(num_blocks)
         # Zeros, not empty: masked-out slots (and a hybrid layout's null block) must never hold NaN bit patterns.
         tensors = [self.platform.zeros(shape, self.kv_cache_dtype) for _ in range(self.kv_layout.group_size)]
         tensor_of, group_of = self.kv_layout.tensor_of_layer(), self.kv_layout.group_of_layer()

@@ -110,7 +110,7 @@ class CpuPlatform(Platform):
         return Availability.yes(f"{os.cpu_count()} cores")
 
     def attention_backends(self) -> list[str]:
-        return ["cpu_sdpa", "reference"]
+        return ["cpu_sdpa", "cpu_mla", "reference"]     # cpu_mla: multi-head latent attention only
 
     def memory_profiler(self) -> MemoryProfiler:
         return CpuMemoryProfiler()

@@ -18,6 +18,7 @@ NATIVE_VALUES: dict[str, tuple] = {
     "norm": ("rms", "layer", "layer_nobias"),
     "rotary": ("neox", "gptj", "none"),
     "attention_sinks": (False,),
+    "attention": ("mha",),
     "activation": ("silu", "gelu_tanh", "gelu", "xielu"),
     "ffn": ("dense", "plain"),
     "qk_norm": ("none", "head", "projection"),

@@ -23,6 +23,7 @@ class LayerStructure:
     rotary_dim: Optional[int] = None   # partial rotary: the leading dims of each head; None: all
     attn_logit_softcap: Optional[float] = None
     attention_sinks: bool = False      # a learned per-head logit in the softmax's denominator
+    attention: str = "mha"             # "mha" (per-head K/V, grouped or not) | "mla" (DeepSeek's latent cache)
     activation: str = "silu"           # the FFN activation: "silu" | "gelu_tanh" | "gelu" | "xielu"
     ffn: str = "dense"                 # "dense" (gated: gate_up / down) | "plain" (up / down) | "moe"
     parallel_block: bool = False       # attention and FFN read the same normed input (Cohere, GPT-J)

@@ -63,7 +63,9 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int = 16,
     """Give every attention layer of `model` its own zeroed KV cache; returns them."""
     caches = []
     for layer in model.attention_layers:
-        shape = type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        spec = getattr(layer, "kv_spec", None)          # a layer's own geometry (MLA's latent rows)
+        shape = spec.cache_shape(num_blocks, block_size) if spec is not None else \
+            type(layer.impl).kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         cache = torch.zeros(shape, dtype=dtype or next(model.parameters()).dtype)
         layer.kv_cache = cache
         caches.append(cache)

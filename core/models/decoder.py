@@ -154,8 +154,10 @@ class DecoderLayer(nn.Module):
                  quant_method: QuantizationMethod) -> None:
         super().__init__()
         self.structure = structure
-        self.self_attn = DecoderAttention(config, layer_idx, family, rotary, attn_backend_cls, dtype, kv_cache_dtype,
-                                          quant_method)
+        # A family may bring its own attention block (DeepSeek's MLA: core/layers/mla.py), built alike.
+        attention_cls = getattr(family, "attention_cls", None) or DecoderAttention
+        self.self_attn = attention_cls(config, layer_idx, family, rotary, attn_backend_cls, dtype, kv_cache_dtype,
+                                       quant_method)
         # An expert FFN (structure.ffn "moe") is the family's own (core/models/moe_families.py).
         self.mlp = family.make_moe(config, layer_idx, dtype, quant_method) if structure.ffn == "moe" \
             else DecoderMLP(config, family, structure, dtype, quant_method)

@@ -1,0 +1,197 @@
+"""DeepSeek-V2 and DeepSeek-V3 (core/models/deepseek.py) with multi-head latent attention
+(core/layers/mla.py, attention_backends/mla.py): greedy tokens identical to transformers' float32
+on random-weight checkpoints it writes, over chunked prefills and from the prefix cache; the cache
+holding one latent + rope row per token; the absorbed decode equal to the expanded form; backends
+without MLA passed over with their reason; the cpu fast decode path refusing MLA layers by name."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from model_helpers import generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt, tiny_tokenizer
+
+from tokenmill.attention_backends.interface import AttentionConfig, build_metadata
+from tokenmill.attention_backends.mla import CpuMLAAttention, write_latent
+from tokenmill.attention_backends.reference import ReferenceAttention
+from tokenmill.attention_backends.selector import select_backend
+from tokenmill.core.layers.moe import FusedMoE
+
+VOCAB = 1000
+MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+DIMS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+            n_routed_experts=8, moe_intermediate_size=32, num_experts_per_tok=2, first_k_dense_replace=1, **MLA)
+FAMILIES = {
+    # V2-Lite's plain q_proj (no q_lora_rank), two shared experts, softmax routing limited to 2 of 4 groups.
+    "deepseek_v2": dict(DIMS, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
+                        topk_group=2, routed_scaling_factor=1.5),
+    # The low-rank query, sigmoid routing with a correction bias over groups, renormalized and scaled;
+    # yarn rope whose mscale_all_dim scales the softmax.
+    "deepseek_v3": dict(DIMS, q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}),
+}
+ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in enumerate((45, 11, 23, 33))]
+ROW = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]          # cached numbers per token and layer
+
+
+def save_family(model_type: str, directory, seed: int = 0, **overrides):
+    """A random-weight transformers model saved with a tokenizer; the float32 model. Routers scaled up
+    so experts win by clear margins; V3's correction bias random so it changes which win."""
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(20.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.1)
+    model.save_pretrained(str(directory))
+    tiny_tokenizer(VOCAB).save_pretrained(str(directory))
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_greedy_matches_transformers(tmp_path, model_type, caplog):
+    """16 tokens after prompts prefilled in 32-token chunks, batched with decodes; again from the
+    prefix cache. The cache holds one latent + rope row per token and layer, logged against an
+    uncompressed cache."""
+    hf = save_family(model_type, tmp_path)
+    expected = hf_greedy(hf, PROMPTS, max_tokens=16)
+    with caplog.at_level(logging.INFO, logger="tokenmill.model_runner"):
+        llm = make_llm(tmp_path)
+    runner = llm.engine.runner
+    model = llm.engine.bundle.model
+    assert type(model).__name__ == ARCHITECTURES[model_type]
+    assert [isinstance(layer.mlp, FusedMoE) for layer in model.model.layers] == [False, True, True]
+    assert runner.backend_cls is CpuMLAAttention and runner.layers[0].kv_cache.shape[1:] == (16, ROW)
+    assert runner.bytes_per_block == 16 * 3 * ROW * 4          # block_size x layers x (L + R) x float32
+    full = 4 * (16 + 8 + 16)                                    # heads x (nope + rope + v)
+    assert f"MLA KV cache: {3 * ROW * 4} bytes per token" in caplog.text
+    assert f"an uncompressed cache would need {3 * full * 4}" in caplog.text
+    first = generate(llm, PROMPTS, max_tokens=16)
+    assert [list(o.outputs[0].token_ids) for o in first] == expected
+    second = generate(llm, PROMPTS, max_tokens=16)
+    assert [list(o.outputs[0].token_ids) for o in second] == expected
+    assert second[0].num_cached_tokens >= 32
+
+
+@pytest.mark.parametrize("model_type,overrides", [("deepseek_v2", {}), ("deepseek_v2", {"topk_method": "greedy"}),
+                                                  ("deepseek_v3", {}), ("deepseek_v3", {"rope_interleave": False})])
+def test_logits_match_transformers(tmp_path, model_type, overrides):
+    """One prefill through the reference backend (the expanded form): transformers' float32 logits."""
+    hf = save_family(model_type, tmp_path, seed=1, **overrides)
+    model = load_for_test(tmp_path).model
+    torch.testing.assert_close(run_prompt(model, PROMPTS[0]), hf_last_logits(hf, PROMPTS[0]), atol=2e-4, rtol=2e-4)
+
+
+def test_long_prompt_in_small_chunks(tmp_path):
+    """A 150-token prompt prefilled 16 tokens a step (each chunk attends to the cached ones before it)."""
+    hf = save_family("deepseek_v3", tmp_path, seed=2)
+    prompt = [[3 + (j * 13) % (VOCAB - 3) for j in range(150)]]
+    llm = make_llm(tmp_path, max_num_batched_tokens=16)
+    assert [list(o.outputs[0].token_ids) for o in generate(llm, prompt, max_tokens=16)] == \
+        hf_greedy(hf, prompt, max_tokens=16)
+
+
+def _mla_inputs(query_lens: list[int], seq_lens: list[int], heads: int = 4, seed: int = 0):
+    """Random MLA queries and new rows over shuffled blocks whose earlier rows are already cached."""
+    g = torch.Generator().manual_seed(seed)
+    nope, rope, v, rank, block_size = 16, 8, 16, 32, 4
+    tables, free = [], torch.randperm(64, generator=g).tolist()
+    for s in seq_lens:
+        tables.append([free.pop() for _ in range((s + block_size - 1) // block_size)])
+    meta = build_metadata(query_lens, seq_lens, tables, block_size)
+    t = sum(query_lens)
+    cache = torch.randn(64, block_size, rank + rope, generator=g)     # the context before each query
+    args = (torch.randn(t, heads, nope, generator=g), torch.randn(t, heads, rope, generator=g),
+            torch.randn(t, rank, generator=g), torch.randn(t, rope, generator=g))
+    return args, cache, meta, torch.randn(heads, nope + v, rank, generator=g) * 0.3
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [5, 17, 40]),             # decodes: absorbed
+                                                 ([1, 1, 9, 20], [9, 30, 9, 33])])     # mixed with prefill chunks
+def test_cpu_mla_matches_the_expanded_reference(query_lens, seq_lens):
+    """cpu_mla's absorbed decode (attention over the cached latent rows, W_UK folded into the query
+    and W_UV into the output) and its SDPA prefill equal the reference's expanded form."""
+    args, cache, meta, kv_b = _mla_inputs(query_lens, seq_lens)
+    scale = 24 ** -0.5
+    ours, ref = CpuMLAAttention(4, 40, scale, 1), ReferenceAttention(4, 40, scale, 1)
+    got = ours.forward_mla(*args, cache.clone(), meta, kv_b)
+    want = ref.forward_mla(*args, cache.clone(), meta, kv_b)
+    assert got.shape == (sum(query_lens), 4, 16)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_absorbed_decode_reads_only_the_latent_rows(monkeypatch):
+    """The decode batch never expands the context through kv_b_proj: only the expanded form calls
+    F.linear (once per prefill sequence); a decode-only batch calls it never."""
+    import torch.nn.functional as F
+    args, cache, meta, kv_b = _mla_inputs([1, 1], [12, 30])
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    CpuMLAAttention(4, 40, 0.2, 1).forward_mla(*args, cache, meta, kv_b)
+    assert calls == []
+
+
+def test_write_latent_places_rows_at_their_slots():
+    cache = torch.zeros(4, 2, 5)
+    latent, k_pe = torch.arange(6.).view(2, 3), -torch.arange(4.).view(2, 2)
+    write_latent(latent, k_pe, cache, torch.tensor([5, 0]))
+    assert cache[2, 1].tolist() == [0, 1, 2, 0, -1] and cache[0, 0].tolist() == [3, 4, 5, -2, -3]
+    assert cache.abs().sum() == (cache[2, 1].abs().sum() + cache[0, 0].abs().sum())
+
+
+def test_backends_without_mla_are_passed_over_with_the_reason(caplog):
+    from tokenmill.attention_backends.cpu_sdpa import CpuSdpaAttention
+    backends = {"cpu_sdpa": CpuSdpaAttention, "cpu_mla": CpuMLAAttention, "reference": ReferenceAttention}
+    mla = AttentionConfig(head_size=ROW, num_heads=4, num_kv_heads=1, dtype=torch.float32, mla=True)
+    with caplog.at_level(logging.INFO, logger="tokenmill.attention_backends"):
+        assert select_backend(backends, ["cpu_sdpa", "cpu_mla", "reference"], mla) is CpuMLAAttention
+    assert "cpu_sdpa: multi-head latent attention (MLA) not supported" in caplog.text
+    with pytest.raises(ValueError, match="'cpu_sdpa' cannot run here: multi-head latent attention"):
+        select_backend(backends, ["cpu_sdpa"], mla, requested="cpu_sdpa")
+    assert select_backend(backends, ["cpu_sdpa", "cpu_mla", "reference"], mla, requested="reference") \
+        is ReferenceAttention
+    plain = AttentionConfig(head_size=16, num_heads=4, num_kv_heads=2, dtype=torch.float32)
+    assert CpuMLAAttention.validate(plain) == ["runs multi-head latent attention (MLA) layers only"]
+    assert select_backend(backends, ["cpu_mla", "reference"], plain) is ReferenceAttention
+
+
+def test_fast_path_refuses_mla_layers_by_name(tmp_path):
+    """The cpu native decode step does not express MLA: its vocabulary check names the layers, and
+    an engine on the platform's default decode program runs the model eagerly."""
+    from tokenmill.platforms.cpu_native_layers import outside_vocabulary
+    save_family("deepseek_v3", tmp_path)
+    llm = make_llm(tmp_path, dtype="bfloat16")
+    model = llm.engine.bundle.model
+    assert "layers 0-2: attention mla" in outside_vocabulary(model.decoder_stack())
+    report = llm.engine.runner.fast_path_report()
+    assert not report["took_the_model"] and report["attention_backend"] == "cpu_mla"
+    if report["decode_program"] == "fused_decode" and "AVX512" not in (report["eager_reason"] or ""):
+        assert "attention mla" in report["eager_reason"]
+    assert len(generate(llm, PROMPTS[:2], max_tokens=4)[1].outputs[0].token_ids) == 4
+
+
+def test_features_and_refusals(tmp_path, monkeypatch):
+    from tokenmill.core import distributed
+    from tokenmill.core.models.features import model_features
+    from tokenmill.plugins import discovery
+    registered = discovery.model_architectures()
+    for name in ARCHITECTURES.values():
+        features = model_features(registered[name])
+        assert features["fast_path"]["supported"] is False and "MLA" in features["fast_path"]["detail"]
+        assert features["tp"]["supported"] is False and features["lora"]["supported"] is False
+    save_family("deepseek_v2", tmp_path)
+    monkeypatch.setattr(distributed, "_STATE", distributed.ParallelState(tp_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        load_for_test(tmp_path)
