@@ -22,8 +22,8 @@ their queries (cascade), merged with their own part by log-sum-exp.
 Per-step derived tensors (gather indices, masks, cascade plans: cpu_sdpa_plans.py) are built
 once and kept on the metadata object, so the 30-odd layers of one step share them.
 
-Logits soft-capping has no SDPA equivalent, so it takes a plain-matmul path with a float32
-softmax (correct, slower). KV cache layout is the default one.
+Logits soft-capping and attention sinks (GPT-OSS) have no SDPA equivalent, so they take a plain-matmul
+path with a float32 softmax (correct, slower). KV cache layout is the default one.
 """
 from __future__ import annotations
 
@@ -33,27 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_flash_prefill, cpu_paged_decode
-from .cpu_sdpa_plans import _gather_blocks, _step_cache
+from .cpu_sdpa_plans import _attend_with_lse, _gather_blocks, _merge_by_lse, _step_cache
 from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, to_kv, write_kv
-
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """SDPA over [B, H, L, D] that also returns the log-sum-exp of each query's scores."""
-    if mask is not None and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    return out, lse
-
-
-def _merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """Attention over two disjoint key sets merged into attention over both: each part weighted by
-    its share exp(lse - max) of the softmax denominator (lse [..., H], out [..., H, D])."""
-    top = torch.maximum(lse_a, lse_b)
-    w_a = torch.exp(lse_a - top).unsqueeze_(-1)
-    w_b = torch.exp(lse_b - top).unsqueeze_(-1)
-    return out_a.float().mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a.add_(w_b)).to(dtype)
 
 
 class CpuSdpaAttention(AttentionBackend):
@@ -64,6 +45,7 @@ class CpuSdpaAttention(AttentionBackend):
     supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
     supports_non_causal = True          # prefill only: a one-token query is the same either way
     supported_graph_modes = ("none",)   # torch.compile of the whole model not verified yet
 
@@ -90,7 +72,7 @@ class CpuSdpaAttention(AttentionBackend):
         i = nd
         while i < metadata.num_seqs:
             start, end = qsl[i], qsl[i + 1]
-            shared = step["prefill_runs"].get(i) if not self.logits_soft_cap else None
+            shared = step["prefill_runs"].get(i) if not self._manual else None
             if shared is not None:
                 stop = qsl[i + shared[0]]
                 out[start:stop] = self._prefill_shared_prefix(query[start:stop], key[start:stop], value[start:stop],
@@ -117,7 +99,7 @@ class CpuSdpaAttention(AttentionBackend):
         every chunk's keys back from the cache just written (a cached prefix several chunks share
         once), so no torch conversions of K/V, Q or the output and no partial outputs to merge
         (those conversions and merges were the larger part of a shared-prefix prompt step)."""
-        return (self._window_in(metadata) is None and not self.logits_soft_cap and metadata.causal
+        return (self._window_in(metadata) is None and not self._manual and metadata.causal
                 and kv_cache.dtype in (torch.bfloat16, *FP8_DTYPES)
                 and query.dtype in (torch.float32, torch.bfloat16)
                 and self.head_size in cpu_paged_decode.PREFILL_HEAD_SIZES and kv_cache.is_contiguous()
@@ -134,7 +116,7 @@ class CpuSdpaAttention(AttentionBackend):
         (prompts longer than a sliding window go one at a time, through the windowed flash tiles)."""
         qsl, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         length = qsl[i + 1] - qsl[i]
-        if self.logits_soft_cap or (self.sliding_window is not None and lens[i] > self.sliding_window):
+        if self._manual or (self.sliding_window is not None and lens[i] > self.sliding_window):
             return 1
         j = i
         while j < metadata.num_seqs and lens[j] == length and qsl[j + 1] - qsl[j] == length:
@@ -205,7 +187,7 @@ class CpuSdpaAttention(AttentionBackend):
             # bf16 activations (AMX hosts): the in-place kernel on a float32 copy of the query
             # (9 heads x 64 values a token) beats gathering the blocks for SDPA by far.
             return self._decode(q.float(), kv_cache, metadata, step).to(q.dtype)
-        if step.get("cascade") is not None and not self.logits_soft_cap and (native or q.dtype == kv_cache.dtype):
+        if step.get("cascade") is not None and not self._manual and (native or q.dtype == kv_cache.dtype):
             q4 = q.view(nd, hkv, group, d)
             return self._decode_cascade(q4, kv_cache, step["cascade"], metadata, native).reshape(nd, self.num_heads, d)
         if native:
@@ -219,9 +201,9 @@ class CpuSdpaAttention(AttentionBackend):
         k = kv[0].transpose(1, 2)                                 # [nd, Hkv, S, D] (a view)
         v = kv[1].transpose(1, 2)
         mask = step["decode_mask"]
-        if self.logits_soft_cap:
+        if self._manual:
             q4 = q.view(nd, hkv, group, d)                        # group folded into the query axis
-            o = self._attend_manual(q4, k, v, mask)
+            o = self._attend_manual(q4, k, v, mask, (hkv, group, 1))
         else:
             # [B, H, 1, D] against [B, Hkv, S, D]: SDPA's own GQA (head h reads KV head h // group),
             # measured faster than folding the group into the query axis.
@@ -241,7 +223,7 @@ class CpuSdpaAttention(AttentionBackend):
         the SDPA path does); it covers float32 queries over a float32, bf16 or fp8 cache, without
         soft-capping."""
         return (q.dtype == torch.float32 and kv_cache.dtype in cpu_paged_decode.KV_DTYPES
-                and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
+                and not self._manual and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
 
     def _decode_cascade(self, q4: torch.Tensor, kv_cache: torch.Tensor, plan: dict,
                         metadata: AttentionMetadata, native: bool) -> torch.Tensor:
@@ -278,11 +260,11 @@ class CpuSdpaAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
         window = self.sliding_window if (self.sliding_window or seq_len) < seq_len else None   # one that hides keys
-        if ctx == 0 and not self.logits_soft_cap:
+        if ctx == 0 and not self._manual:
             flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype, window=window)
             if flash is not None:
                 return flash
-        if ctx == 0 and not self.logits_soft_cap and window is None:
+        if ctx == 0 and not self._manual and window is None:
             k, v = k_new, v_new
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
                 k = kv_round_trip(k, kv_cache.dtype, self.k_scale)
@@ -311,11 +293,11 @@ class CpuSdpaAttention(AttentionBackend):
             allowed = torch.ones_like(allowed)
         if window is not None:
             allowed &= k_pos > q_pos - window
-        if self.logits_soft_cap:
+        if self._manual:
             qh = q.view(q_len, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, Q, D]
             kh = kv[0].transpose(0, 1).unsqueeze(1)                # [Hkv, 1, S, D]
             vh = kv[1].transpose(0, 1).unsqueeze(1)
-            o = self._attend_manual(qh, kh, vh, allowed)           # [Hkv, G, Q, D]
+            o = self._attend_manual(qh, kh, vh, allowed, (hkv, group, 1, 1))   # [Hkv, G, Q, D]
             return o.permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kv[0].transpose(0, 1)[None],
                                            kv[1].transpose(0, 1)[None],
@@ -329,7 +311,7 @@ class CpuSdpaAttention(AttentionBackend):
         for a bf16 cache, 2^-9 relative where the fp8 keys themselves carry 2^-4): faster than
         widening the cache to float32 for SDPA. A sliding `window` (one that hides keys here): only
         this library's tiles take it. None elsewhere."""
-        if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
+        if not self._flash_reads(q, cache_dtype) or self._manual:
             return None
         if window is not None and (not causal or cpu_flash_prefill.torch_kernel_is_faster()):
             return None
@@ -350,7 +332,7 @@ class CpuSdpaAttention(AttentionBackend):
     def _flash_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, causal: bool,
                      cache_dtype: torch.dtype, return_lse: bool = False):
         """_flash for whole prompts back to back (rows `starts`) in one native call, none past a window."""
-        if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
+        if not self._flash_reads(q, cache_dtype) or self._manual:
             return None
         if self.sliding_window is not None and int((starts[1:] - starts[:-1]).max()) > self.sliding_window:
             return None
@@ -389,12 +371,21 @@ class CpuSdpaAttention(AttentionBackend):
             return kv.to(dtype)
         return torch.stack((from_kv(kv[0], dtype, self.k_scale), from_kv(kv[1], dtype, self.v_scale)))
 
-    def _attend_manual(self, q, k, v, allowed):
-        """q [..., Q, D] against k/v [..., S, D] (broadcast over heads), float32 softmax."""
+    @property
+    def _manual(self) -> bool:
+        """Soft-capping or sinks: the plain-matmul path (_attend_manual) only."""
+        return bool(self.logits_soft_cap) or self.sinks is not None
+
+    def _attend_manual(self, q, k, v, allowed, sink_shape=()):
+        """q [..., Q, D] against k/v [..., S, D] (broadcast over heads), float32 softmax; the sinks
+        viewed as `sink_shape` (the query heads' axes of q, 1 for the rest) join each denominator."""
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
         if self.logits_soft_cap:
             scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         if allowed is not None:
             scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if self.sinks is None:
+            return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+        sink = self.sinks.float().view(sink_shape).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs, v.float()).to(q.dtype)

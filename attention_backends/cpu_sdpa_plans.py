@@ -133,3 +133,23 @@ def _shared_prefill_runs(metadata: AttentionMetadata, block_size: int,
                 j = i + 1
         i = j
     return runs
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA over [B, H, L, D] that also returns the log-sum-exp of each query's scores."""
+    if mask is not None and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return out, lse
+
+
+def _merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Attention over two disjoint key sets merged into attention over both: each part weighted by
+    its share exp(lse - max) of the softmax denominator (lse [..., H], out [..., H, D])."""
+    top = torch.maximum(lse_a, lse_b)
+    w_a = torch.exp(lse_a - top).unsqueeze_(-1)
+    w_b = torch.exp(lse_b - top).unsqueeze_(-1)
+    return out_a.float().mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a.add_(w_b)).to(dtype)

@@ -174,6 +174,10 @@ class AttentionBackend:
         # (core/loaders/kv_scales.py); only an fp8 cache uses them.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # Attention sinks (backends with supports_attention_sinks): a learned logit per query head
+        # [num_heads], float32 or the model dtype, in each softmax's denominator and attending to no
+        # value. Set by the attention layer after construction; None: none.
+        self.sinks: Optional[torch.Tensor] = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ class ReferenceAttention(AttentionBackend):
     supported_devices = ("*",)
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
     supports_non_causal = True
     supports_mla = True
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")   # fp8: per-tensor k/v scales
@@ -45,7 +46,11 @@ class ReferenceAttention(AttentionBackend):
             if self.sliding_window is not None:
                 allowed &= k_pos > q_pos - self.sliding_window
             scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            if self.sinks is not None:      # one more logit per head in the denominator, attending to nothing
+                sink = self.sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+                probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
             out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         return out
 

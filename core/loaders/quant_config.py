@@ -43,11 +43,19 @@ def read_quantization_config(model: Optional[str]) -> Optional[dict[str, Any]]:
     return quant
 
 
+# Formats a model's own loader dequantizes into the model dtype, so the run is unquantized: MXFP4,
+# GPT-OSS's experts (core/models/gpt_oss.py, quantization/mxfp4.py).
+DEQUANTIZED_AT_LOAD = ("mxfp4",)
+
+
 def checkpoint_format(quant_config: Optional[dict[str, Any]]) -> Optional[str]:
-    """The method name for a quantization_config; ValueError naming quantization for an unknown one."""
+    """The method name for a quantization_config (None where the model dequantizes it at load);
+    ValueError naming quantization for an unknown one."""
     if quant_config is None:
         return None
     stored = str(quant_config.get("quant_method", "")).lower()
+    if stored in DEQUANTIZED_AT_LOAD:
+        return None
     if stored not in CHECKPOINT_FORMATS:
         raise ValueError(f"quantization: the checkpoint's quantization_config has quant_method {stored!r}, "
                          f"which tokenmill cannot load; supported: {sorted(set(CHECKPOINT_FORMATS.values()))}")
