@@ -93,6 +93,19 @@ def test_greedy_matches_transformers(tmp_path):
     assert_greedy_twice(llm, PROMPTS, expected)
 
 
+def test_tp2_matches_transformers(tmp_path):
+    """Two ranks: each holds its heads' sinks and half of every expert (and of its gate/up bias); the
+    down bias is added once: transformers' tokens."""
+    hf = hf_model()
+    save(hf, tmp_path)
+    expected = hf_greedy(hf, PROMPTS[:2])
+    llm = make_llm(tmp_path, tensor_parallel_size=2)
+    try:
+        assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS[:2])] == expected
+    finally:
+        llm.engine.executor.shutdown()
+
+
 def test_sinks_change_the_tokens(tmp_path):
     """The same checkpoint with every sink at -inf (no sink at all) gives other tokens: the sinks
     the greedy test matches are doing something."""
