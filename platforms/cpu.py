@@ -175,6 +175,19 @@ class CpuPlatform(Platform):
         return dtype
 
     def layer_kernels(self, config) -> LayerKernels:
+        """The per-op kernels (_op_kernels) and, where the experts' weights are in a form it
+        multiplies (int4 / int8 experts, bf16 weights), the native mixture-of-experts op
+        (platforms/cpu_moe.py)."""
+        from .cpu_linear import Bf16WeightLinear
+        from .cpu_moe import moe_kernel
+
+        kernels = self._op_kernels(config)
+        if kernels.moe is None:
+            kernels.moe = moe_kernel(config.model.quantization, config.model.dtype,
+                                     round_weights=isinstance(kernels.linear, Bf16WeightLinear))
+        return kernels
+
+    def _op_kernels(self, config) -> LayerKernels:
         """quantization="int4": the fused native norm/rope/SiLU kernels (platforms/cpu_layer_kernels.py)
         when they build here (they agree with torch only to rounding, so only where exact parity
         with transformers is not promised) and the native int8 LM head for decode steps

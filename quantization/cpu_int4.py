@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import AffineGroups, FormT, Int8Channels, PlatformPacked, QuantKernels
+from .interface import (AffineGroups, ExpertForms, ExpertsMethod, FormT, Int8Channels, PlatformPacked,
+                        QuantKernels, WeightForm)
 from .unquantized import UnquantizedLinearMethod
 
 
@@ -159,6 +160,10 @@ class CpuInt4Quantization(UnquantizedLinearMethod):
             return PlatformPacked(state.batch)
         return None
 
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        """Mixture-of-experts layers: their experts in 4-bit groups too (Int4Experts)."""
+        return Int4Experts()
+
     def lm_head_method(self) -> "Int8HeadMethod":
         head = Int8HeadMethod(self.outlier_channels)
         head.use_kernels(self.kernels)
@@ -243,3 +248,64 @@ def int8_matmul_per_token(x: torch.Tensor, int8_weight: torch.Tensor, channel_sc
     if extra is not None:
         y.add_(extra)
     return y + bias if bias is not None else y
+
+
+# ---- Mixture-of-experts layers ---------------------------------------------------------------
+# Their stacked experts (w13 [E, 2I, H], w2 [E, H, I]) load dense like any checkpoint's; once loaded
+# each matrix is quantized row by row over all its experts at once, the parameters overwritten with
+# the dequantized values (what the torch op, moe_reference, multiplies by) and the quantized form
+# kept for a platform's moe kernel (ExpertsMethod.forms). A matrix outside the blocks (rows not a
+# multiple of 16, inputs not of 32) leaves both dense, as such a linear layer stays dense.
+
+
+def experts_fit(layer: nn.Module) -> bool:
+    return all(p.shape[1] % 16 == 0 and p.shape[2] % 32 == 0 for p in (layer.w13, layer.w2))
+
+
+class _Int4Matrix(NamedTuple):
+    nibbles: torch.Tensor     # uint8 [E * N, K / 2]: input 2i in the low nibble
+    scale: torch.Tensor       # float32 [E * N, K / 32], float16 values
+    low: torch.Tensor
+
+
+def quantize_int4_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [R, K] -> (q uint8 [R, K] in 0..15, scale, low float32 [R, K / 32]) with
+    w ~ scale * q + low, scale and low float16 values (what the cpu platform's Q4 layout stores,
+    so its kernel and the torch path multiply the same weights)."""
+    rows, k = weight.shape
+    g = CpuInt4Quantization.group_size
+    _, scale, low = CpuInt4Quantization.quantize(weight)
+    scale, low = scale.half().float(), low.half().float()
+    groups = weight.detach().float().reshape(rows, k // g, g)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((groups - low.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, 15)
+    return q.reshape(rows, k).to(torch.uint8), scale, low
+
+
+class Int4Experts(ExpertsMethod):
+    """quantization="int4" on experts: CpuInt4Quantization's grid (4-bit groups of 32, from each
+    group's min and max), scale and low rounded to float16."""
+    name = "int4"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.int4_experts = None
+        if not experts_fit(layer):
+            return
+        kept = {}
+        for name in ("w13", "w2"):
+            param = getattr(layer, name)
+            num, n, k = param.shape
+            q, scale, low = quantize_int4_rows(param.detach().reshape(num * n, k))
+            param.data.copy_(CpuInt4Quantization.dequantize(q, scale, low).reshape(num, n, k).to(param.dtype))
+            kept[name] = _Int4Matrix(q[:, 0::2] | (q[:, 1::2] << 4), scale, low)
+        layer.int4_experts = kept
+
+    def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
+        kept = getattr(layer, "int4_experts", None)
+        if kept is None:
+            return None
+
+        def form(m: _Int4Matrix) -> WeightForm:
+            q = torch.stack((m.nibbles & 0x0F, m.nibbles >> 4), dim=-1).reshape(m.nibbles.shape[0], -1)
+            return AffineGroups(q, m.scale, m.low, CpuInt4Quantization.group_size)
+        return ExpertForms(form(kept["w13"]), form(kept["w2"]))

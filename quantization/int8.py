@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_int4 import int8_matmul_per_token, quantize_int8_per_channel
-from .interface import FormT, Int8Channels, QuantKernels
+from .cpu_int4 import experts_fit, int8_matmul_per_token, quantize_int8_per_channel
+from .interface import ExpertForms, ExpertsMethod, FormT, Int8Channels, QuantKernels
 from .unquantized import UnquantizedLinearMethod
 
 TILE_ROWS = 2048
@@ -77,3 +77,31 @@ class Int8Quantization(UnquantizedLinearMethod):
         platform's fused step multiplies by (the cpu platform's S8)."""
         q = getattr(layer, "int8_weight", None)
         return Int8Channels(q, layer.int8_scale) if form is Int8Channels and q is not None else None
+
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        """Mixture-of-experts layers: their experts in int8 per output row too (Int8Experts)."""
+        return Int8Experts()
+
+
+class Int8Experts(ExpertsMethod):
+    """quantization="int8" on experts (cpu_int4.py's notes on experts): each expert's rows in int8
+    with one scale per output row, as Int8Quantization's linear layers."""
+    name = "int8"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.int8_experts = None
+        if not experts_fit(layer):
+            return
+        kept = {}
+        for name in ("w13", "w2"):
+            param = getattr(layer, name)
+            num, n, k = param.shape
+            q_t, scale = quantize_int8_per_channel(param.detach().float().reshape(num * n, k))
+            q = q_t.t().contiguous()
+            param.data.copy_((q.float() * scale[:, None]).reshape(num, n, k).to(param.dtype))
+            kept[name] = Int8Channels(q, scale)
+        layer.int8_experts = kept
+
+    def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
+        kept = getattr(layer, "int8_experts", None)
+        return None if kept is None else ExpertForms(kept["w13"], kept["w2"])

@@ -97,6 +97,33 @@ WeightForm = Union[AffineGroups, Int8Channels, PlatformPacked]
 FormT = TypeVar("FormT", AffineGroups, Int8Channels, PlatformPacked)
 
 
+@dataclass(frozen=True)
+class ExpertForms:
+    """A mixture-of-experts layer's stacked experts (w13 [E, 2I, H], w2 [E, H, I]) as its experts
+    method keeps them: each matrix as one weight form over the E * N rows of all its experts (expert
+    e's rows are e * N .. (e + 1) * N), or None for a matrix kept dense."""
+    w13: Optional[WeightForm]
+    w2: Optional[WeightForm]
+
+
+class ExpertsMethod:
+    """How a mixture-of-experts layer keeps its stacked experts (vLLM's fused-MoE method idea). The
+    layer's `w13` / `w2` parameters always hold the values the torch op multiplies by (dequantized
+    where the method quantizes); `forms` offers what a platform's moe kernel packs from. This
+    default keeps them dense."""
+    name: ClassVar[str] = "unquantized"
+
+    def __init__(self) -> None:
+        self.kernels = QuantKernels()
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Once every expert is loaded: quantize `layer.w13` / `layer.w2` (the layer's parameters)."""
+
+    def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
+        """The layer's experts as this method keeps them; None: dense."""
+        return None
+
+
 class QuantizationMethod:
     """One way of storing and multiplying linear-layer weights. One instance serves every
     linear layer of a model, so per-layer state lives on the layer, not here."""
@@ -139,6 +166,11 @@ class QuantizationMethod:
         """The layer's weight in `form` as this method keeps it (no copy where it can be helped), for
         a platform program that multiplies from it (a fused decode step); None (the default): the
         method keeps no such form, or this layer is not stored in it."""
+        return None
+
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        """The method for mixture-of-experts layers' stacked experts; None (the default): this
+        method does not cover experts, and such a layer refuses it."""
         return None
 
     def lm_head_method(self) -> Optional["QuantizationMethod"]:

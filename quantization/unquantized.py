@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .interface import QuantizationMethod
+from .interface import ExpertsMethod, QuantizationMethod
 
 
 class UnquantizedLinearMethod(QuantizationMethod):
@@ -30,3 +30,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        """Dense experts for this method itself; a subclass (a method that quantizes) covers
+        experts only where it says how (its own experts_method)."""
+        return ExpertsMethod() if type(self) is UnquantizedLinearMethod else None

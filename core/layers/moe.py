@@ -194,7 +194,10 @@ class FusedMoE(nn.Module):
         `router_bias` / `expert_bias`: the router's and each expert's biases (GPT-OSS: w13_bias
         [E, 2 * I] gate then up, w2_bias [E, H]); `swiglu_*`: the "swiglu_oai" activation's constants."""
         super().__init__()
-        if quant_method is not None and not isinstance(quant_method, UnquantizedLinearMethod):
+        # How the experts are kept (quantization/interface.py ExpertsMethod); the loader's post-processing calls it.
+        self.quant_method = (quant_method or UnquantizedLinearMethod()).experts_method()
+        if self.quant_method is None:
+            assert quant_method is not None
             raise ValueError(f"quantization {quant_method.name!r} does not cover mixture-of-experts layers yet: "
                              "the experts are kept as dense stacked weights; run this model unquantized")
         _check_activation(activation)
@@ -230,12 +233,17 @@ class FusedMoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden_size, 1, dtype=dtype) if shared_expert_gate else None
         self._kernel: Any = None        # a platform's moe op (core/layers/kernels.py)
+        self._prepared: Any = None      # what its `prepare` made of the experts
 
     def use_kernel(self, kernel: Any) -> None:
         """Run the experts through `kernel(hidden, w13, w2, topk_weights, topk_ids, activation, **extra)`
         (a platform's op, moe_reference's signature; `extra` only for biased / swiglu_oai experts; it
-        may return NotImplemented). None: moe_reference."""
+        may return NotImplemented). None: moe_reference. A kernel with `prepare(w13, w2, forms)` packs
+        the experts once here (forms: the experts method's quantized forms, None when dense) and is
+        then called with `prepared=` that."""
         self._kernel = kernel
+        prepare = getattr(kernel, "prepare", None)
+        self._prepared = None if prepare is None else prepare(self.w13, self.w2, self.quant_method.forms(self))
 
     # ------------------------------------------------------------------ loading
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Optional[tuple[int, str]] = None) -> None:
@@ -291,7 +299,8 @@ class FusedMoE(nn.Module):
         """This rank's partial routed sum (not yet all-reduced)."""
         extra = self._extra_args()
         if self._kernel is not None:
-            out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra)
+            prepared = {"prepared": self._prepared} if hasattr(self._kernel, "prepare") else {}
+            out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra, **prepared)
             if out is not NotImplemented:
                 return out
         return moe_reference(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra)

@@ -22,7 +22,8 @@ MOE_FEATURES: dict[str, tuple[bool, str]] = {
     "tp": (True, "heads, each expert's and the shared expert's intermediate size split over ranks "
                  "(every rank holds every expert)"),
     "lora": (False, "experts: not supported"),
-    "quantization": (False, "experts: not supported (a quantization method or quantized checkpoint is refused)"),
+    "quantization": (True, "int4 / int8 quantize the experts too (the cpu native MoE op runs them); other methods "
+                           "and quantized checkpoints are refused"),
     "fast_path": (False, "decode steps run MoE layers eagerly (the cpu native step does not express expert "
                          "FFNs); dense layers of a model that has some run natively between them"),
 }

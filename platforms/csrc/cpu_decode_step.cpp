@@ -13,6 +13,9 @@
 // A layer range: the Python side runs the layers this step cannot express eagerly in between
 // (first_layer > 0 reads the residual stream from `stream`, last_layer < num_layers writes it there).
 //
+// The same matmuls also serve one mixture-of-experts layer's experts per call (fused_moe: tokens
+// sorted by expert, each active expert's weights read once, for platforms/cpu_moe.py).
+//
 // Why: a one-token step through torch is ~1,300 small ops, ctypes calls and Python across 30
 // layers, more time than the arithmetic. Here the Python side makes one call per step.
 //
@@ -813,6 +816,97 @@ void activate(const FusedLayer& layer, const float* gate, const float* up, int64
   }
 }
 
+// ---- Mixture-of-experts (fused_moe) ----------------------------------------------------------
+
+// T tokens (rows t0.. of `in` and of y, stride w.n) times blocks [b, b + nb) of w, in the tile
+// shapes `matmul` uses for that kind (a row's result does not depend on its tile).
+template <int T>
+void moe_tile(const FusedLinear& w, int64_t b, int64_t nb, const QuantizedInput& in, int64_t t0, float* y) {
+  int64_t j = 0;
+  if (w.kind == 5) {
+    if (T == 1)
+      for (; j + 4 <= nb; j += 4) s8_tile<4, 1>(w, b + j, in, t0, y, w.n);
+    for (; j + 2 <= nb; j += 2) s8_tile<2, T>(w, b + j, in, t0, y, w.n);
+    for (; j < nb; ++j) s8_tile<1, T>(w, b + j, in, t0, y, w.n);
+    return;
+  }
+#if TM_AVX512_BF16
+  if (w.kind == 1)
+    for (; j + 2 <= nb; j += 2) bf16_block2<T>(w, b + j, in, t0, y, w.n);
+#endif
+  for (; j < nb; ++j) any_block<T>(w, b + j, in, t0, y);
+}
+
+// Rows [r0, r0 + rows) (one expert's tokens) times blocks [b, b + nb) of w: tiles of 6 tokens.
+void moe_rows(const FusedLinear& w, int64_t b, int64_t nb, const QuantizedInput& in, int64_t r0, int64_t rows,
+              float* y) {
+  int64_t t = r0;
+  const int64_t end = r0 + rows;
+  for (; t + 6 <= end; t += 6) moe_tile<6>(w, b, nb, in, t, y);
+  switch (end - t) {
+    case 5: moe_tile<5>(w, b, nb, in, t, y); break;
+    case 4: moe_tile<4>(w, b, nb, in, t, y); break;
+    case 3: moe_tile<3>(w, b, nb, in, t, y); break;
+    case 2: moe_tile<2>(w, b, nb, in, t, y); break;
+    case 1: moe_tile<1>(w, b, nb, in, t, y); break;
+    default: break;
+  }
+}
+
+// The activation a matmul of this kind reads: int8 groups, or bf16 for BF16 weights.
+void moe_input(const FusedLinear& w, const float* x, int64_t rows, QuantizedInput& in) {
+  if (w.kind == 1)
+    round_bf16(x, rows * w.k, in, rows);
+  else
+    quantize_q8(x, rows, w.k, in);
+}
+
+// Blocks of 16 rows a work item covers: 64 output rows, so a one-token step of a layer with
+// 8 experts x (512 + 1024) rows has a few hundred items to share among the threads.
+constexpr int64_t kMoeItemBlocks = 4;
+
+// One matmul over every expert that has tokens: items (expert, kMoeItemBlocks row blocks) shared
+// among the threads, each over all of its expert's rows (start[e] .. start[e + 1]).
+void moe_matmul(const FusedLinear* experts, const std::vector<int64_t>& active, const std::vector<int64_t>& start,
+                const QuantizedInput& in, float* y) {
+  const int64_t blocks = experts[active[0]].n / kRows;
+  const int64_t per_expert = (blocks + kMoeItemBlocks - 1) / kMoeItemBlocks;
+  const int64_t items = static_cast<int64_t>(active.size()) * per_expert;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t e = active[item / per_expert], b = (item % per_expert) * kMoeItemBlocks;
+    moe_rows(experts[e], b, std::min(kMoeItemBlocks, blocks - b), in, start[e], start[e + 1] - start[e], y);
+  }
+}
+
+// a = act(gate) * up over n values: 0 SiLU, 1 GELU (tanh), 2 GELU (erf), 3 ReLU.
+void moe_activate(int64_t kind, const float* gate, const float* up, int64_t n, float* a) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kInvSqrt2 = 0.7071067811865476f;
+  if (kind == 0) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
+  } else if (kind == 1) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = gate[i];
+      a[i] = g / (1.0f + std::exp(-2.0f * kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+    }
+  } else if (kind == 2) {
+    for (int64_t i = 0; i < n; ++i) a[i] = 0.5f * gate[i] * (1.0f + std::erf(gate[i] * kInvSqrt2));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) a[i] = gate[i] > 0.0f ? gate[i] : 0.0f;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) a[i] *= up[i];
+}
+
+struct MoeScratch {
+  std::vector<int64_t> start, fill, active, row_of_pair, token_of_row;
+  std::vector<float> x, gate_up, act, down;
+  QuantizedInput in, in_down;
+};
+
 struct Scratch {
   std::vector<float> residual, normed, qkv, q, k, v, attn, proj, gate_up, act, ffn;
   QuantizedInput in;
@@ -873,6 +967,84 @@ int64_t vnni_peak_loop(int64_t iterations) {
 void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y) {
   thread_local QuantizedInput in;
   matmul(*w, x, tokens, y, in);
+}
+
+// One mixture-of-experts layer's experts (fused_moe). w13[e]: expert e's gate rows then up rows
+// (n = 2 * inter, k = hidden); w2[e]: its down projection (n = hidden, k = inter). Every w13 of
+// a layer has one kind, every w2 one kind (they may differ: GGUF files mix them).
+struct FusedMoeLayer {
+  int64_t num_experts, hidden, inter, activation;   // activation: moe_activate's codes
+  const FusedLinear* w13;
+  const FusedLinear* w2;
+};
+
+// out [tokens, hidden] float32 = for each token, the sum over its top_k slots j of
+// weights[t, j] * down(act(gate x) * up x) of expert ids[t, j], added in increasing expert order
+// (moe_reference's order). The (token, slot) pairs are sorted by expert (a counting sort), the
+// pairs' rows gathered so each expert's are contiguous, and each matmul runs over every active
+// expert at once (moe_matmul): every expert's weights are read once per call, whatever its
+// number of tokens. Returns 0, or -1 (out untouched) when an id is outside [0, num_experts).
+int64_t fused_moe(const FusedMoeLayer* m, const float* x, int64_t tokens, int64_t top_k, const int64_t* ids,
+                  const float* weights, float* out) {
+  // Reused, so a warm call allocates nothing; referenced through `s`, a plain local the parallel
+  // regions share (a thread_local named inside one would be each worker's own, empty copy).
+  thread_local MoeScratch scratch;
+  MoeScratch& s = scratch;
+  const int64_t num = m->num_experts, h = m->hidden, inter = m->inter, pairs = tokens * top_k;
+  for (int64_t p = 0; p < pairs; ++p)
+    if (ids[p] < 0 || ids[p] >= num) return -1;
+  s.start.assign(num + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++s.start[ids[p] + 1];
+  s.active.clear();
+  for (int64_t e = 0; e < num; ++e) {
+    if (s.start[e + 1]) s.active.push_back(e);
+    s.start[e + 1] += s.start[e];
+  }
+  if (pairs == 0) return 0;
+  s.fill.assign(s.start.begin(), s.start.end() - 1);
+  s.row_of_pair.resize(pairs);
+  s.token_of_row.resize(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = s.fill[ids[p]]++;
+    s.row_of_pair[p] = row;
+    s.token_of_row[row] = p / top_k;
+  }
+  s.x.resize(pairs * h);
+  s.gate_up.resize(pairs * 2 * inter);
+  s.act.resize(pairs * inter);
+  s.down.resize(pairs * h);
+  float* xs = s.x.data();
+#pragma omp parallel for schedule(static) if (pairs >= kParallelRows)
+  for (int64_t r = 0; r < pairs; ++r) std::memcpy(xs + r * h, x + s.token_of_row[r] * h, h * sizeof(float));
+  moe_input(m->w13[s.active[0]], xs, pairs, s.in);
+  moe_matmul(m->w13, s.active, s.start, s.in, s.gate_up.data());
+  const float* gate_up = s.gate_up.data();
+  float* act = s.act.data();
+#pragma omp parallel for schedule(static) if (pairs >= kParallelRows)
+  for (int64_t r = 0; r < pairs; ++r)
+    moe_activate(m->activation, gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
+  moe_input(m->w2[s.active[0]], act, pairs, s.in_down);
+  moe_matmul(m->w2, s.active, s.start, s.in_down, s.down.data());
+  const float* down = s.down.data();
+#pragma omp parallel for schedule(static) if (tokens >= kParallelRows)
+  for (int64_t t = 0; t < tokens; ++t) {
+    int64_t order[64];      // the token's slots by increasing expert id (top_k <= 64: checked by the caller)
+    for (int64_t j = 0; j < top_k; ++j) {
+      int64_t i = j;
+      for (; i > 0 && ids[t * top_k + order[i - 1]] > ids[t * top_k + j]; --i) order[i] = order[i - 1];
+      order[i] = j;
+    }
+    float* o = out + t * h;
+    std::fill(o, o + h, 0.0f);
+    for (int64_t jj = 0; jj < top_k; ++jj) {
+      const int64_t p = t * top_k + order[jj];
+      const float wt = weights[p];
+      const float* d = down + s.row_of_pair[p] * h;
+#pragma omp simd
+      for (int64_t c = 0; c < h; ++c) o[c] += wt * d[c];
+    }
+  }
+  return 0;
 }
 
 // y [tokens, n] bf16 = x [tokens, k] bf16 times a BF16 layout (+ bias, float32 [n] or null), on
