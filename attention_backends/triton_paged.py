@@ -11,7 +11,8 @@ Kernels (the KV write itself is torch's `index_copy_`, see interface.write_kv):
     rows of one sequence and walks the KV blocks the causal mask allows (cached context
     included), `tl.dot` for both products, online softmax in float32.
 Head sizes that are not powers of two (80) are padded to the next power of two with masks.
-Logits soft-cap and sliding window are supported in both kernels.
+Logits soft-cap, sliding window and attention sinks (one more logit per head in the softmax's
+denominator: the decode merge and the prefill's last step add it) are supported in both kernels.
 """
 from __future__ import annotations
 
@@ -88,9 +89,9 @@ def _kernels(interpret: bool):
         tl.store(ACC_OUT + part[:, None] * HEAD_PAD + d[None, :], acc, mask=gmask[:, None])
 
     @triton.jit
-    def decode_reduce_kernel(OUT, M_IN, L_IN, ACC_IN, stride_ot, stride_oh,
+    def decode_reduce_kernel(OUT, M_IN, L_IN, ACC_IN, SINKS, stride_ot, stride_oh,
                              HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                             SPLITS_PAD: tl.constexpr):
+                             SPLITS_PAD: tl.constexpr, USE_SINKS: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         num_heads = tl.num_programs(1)
@@ -102,19 +103,25 @@ def _kernels(interpret: bool):
         d = tl.arange(0, HEAD_PAD)
         acc = tl.load(ACC_IN + (base + sp)[:, None] * HEAD_PAD + d[None, :], mask=smask[:, None], other=0.0)
         m_all = tl.max(m, 0)
+        if USE_SINKS:
+            sink = tl.load(SINKS + h).to(tl.float32)
+            m_all = tl.maximum(m_all, sink)
         w = tl.exp(m - m_all)
         total = tl.sum(l * w, 0)
+        if USE_SINKS:
+            total += tl.exp(sink - m_all)
         out = tl.sum(acc * w[:, None], 0) / total
         tl.store(OUT + b * stride_ot + h * stride_oh + d, out.to(OUT.dtype.element_ty), mask=d < HEAD)
 
     @triton.jit
-    def prefill_kernel(Q, KV, OUT, BT, SEQ_LENS, QSL,
+    def prefill_kernel(Q, KV, OUT, BT, SEQ_LENS, QSL, SINKS,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        stride_kv_c, stride_kv_b, stride_kv_s, stride_kv_h, stride_bt,
                        num_decodes, scale, soft_cap, sliding_window,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                        HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                       USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr):
+                       USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+                       USE_SINKS: tl.constexpr):
         # one program: BLOCK_M query rows of one sequence x the GROUP heads sharing one KV head,
         # flattened into BLOCK_M * GROUP_PAD rows of the tile
         seq = num_decodes + tl.program_id(0)
@@ -175,6 +182,12 @@ def _kernels(interpret: bool):
                 acc = acc * alpha[:, None] + pv
                 l = l * alpha + tl.sum(p, 1)
                 m = m_new
+            if USE_SINKS:       # the sink joins the denominator as one more (value-less) key
+                sink = tl.load(SINKS + h, mask=g < GROUP, other=0.0).to(tl.float32)
+                m_new = tl.maximum(m, sink)
+                alpha = tl.exp(m - m_new)
+                acc = acc * alpha[:, None]
+                l = l * alpha + tl.exp(sink - m_new)
             out = acc / tl.where(l > 0, l, 1.0)[:, None]     # padded rows have l == 0
             tl.store(OUT + (q_start + row)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                      out.to(OUT.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
@@ -196,6 +209,7 @@ class TritonPagedAttention(AttentionBackend):
     supports_gqa = True
     supports_sliding_window = True
     supports_logits_soft_cap = True
+    supports_attention_sinks = True
     supported_graph_modes = ("none",)
     block_rows = 64          # prefill tile rows (query rows x padded GQA group)
 
@@ -248,6 +262,8 @@ class TritonPagedAttention(AttentionBackend):
         cap = float(self.logits_soft_cap or 1.0)
         use_window = self.sliding_window is not None
         window = int(self.sliding_window or 0)
+        use_sinks = self.sinks is not None
+        sinks = self.sinks if use_sinks else out        # a pointer the kernels do not read without sinks
         nd = metadata.num_decodes
         if nd:
             max_blocks = (max(metadata.seq_lens_cpu[:nd]) + bs - 1) // bs
@@ -264,8 +280,9 @@ class TritonPagedAttention(AttentionBackend):
                 GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=bs, HEAD=head, HEAD_PAD=head_pad,
                 NUM_SPLITS=num_splits, USE_CAP=use_cap, USE_WINDOW=use_window)
             decode_reduce[(nd, self.num_heads)](
-                out, m_buf, l_buf, acc_buf, out.stride(0), out.stride(1),
-                HEAD=head, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)))
+                out, m_buf, l_buf, acc_buf, sinks, out.stride(0), out.stride(1),
+                HEAD=head, HEAD_PAD=head_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
+                USE_SINKS=use_sinks)
         num_prefills = metadata.num_seqs - nd
         if num_prefills:
             qsl = metadata.query_start_loc_cpu
@@ -276,13 +293,13 @@ class TritonPagedAttention(AttentionBackend):
             if block_m * group_pad < 16:                      # tl.dot needs at least 16 rows
                 block_m = 16 // group_pad
             prefill[(num_prefills, hkv, -(-max_q // block_m))](
-                q, kv_cache, out, bt, metadata.seq_lens, metadata.query_start_loc,
+                q, kv_cache, out, bt, metadata.seq_lens, metadata.query_start_loc, sinks,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 skv[0], skv[1], skv[2], skv[3], bt.stride(0),
                 nd, softmax_scale, cap, window,
                 GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=bs, HEAD=head, HEAD_PAD=head_pad,
                 BLOCK_M=block_m, USE_CAP=use_cap, USE_WINDOW=use_window,
-                UPCAST=q.dtype == torch.float32 or _interpreting())
+                UPCAST=q.dtype == torch.float32 or _interpreting(), USE_SINKS=use_sinks)
         if v_scale != 1.0:
             out.mul_(v_scale)
         return out
