@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.platforms.native_build import NativeLibrary, source
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # The cache dtypes the kernel reads, by the suffix of their entries (fp8 caches as their bytes).
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16kv", torch.float8_e4m3fn: "fp8e4m3",
@@ -37,6 +37,8 @@ def _declare(lib: ctypes.CDLL) -> None:
             prefill = getattr(lib, f"paged_prefill_{suffix}")
             prefill.argtypes = [p, i64, i64, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, f32, f32, f32]
             prefill.restype = i64
+    lib.scatter_kv_rows.argtypes = [p, p, i64, p, p, i64, p, i64]
+    lib.scatter_kv_rows.restype = None
 
 
 LIBRARY = NativeLibrary(source("paged_decode.cpp"), ABI_VERSION, _declare)
@@ -74,6 +76,25 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
        int(sliding_window or 0), int(first_pos), lse.data_ptr() if lse is not None else None,
        float(k_scale), float(v_scale))
     return (out, lse) if return_lse else out
+
+
+def write_kv_rows(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """interface.write_kv for keys and values already in the cache's dtype (bf16 or float32 caches:
+    no conversion or scale): each token's [Hkv * D] row copied to its slot natively. False (nothing
+    written) where that does not hold; the caller then takes write_kv."""
+    if (key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype or key.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or available() is not None):
+        return False
+    rows, width = slot_mapping.numel(), kv_cache.shape[3] * kv_cache.shape[4]
+    key, value = key.reshape(rows, width), value.reshape(rows, width)
+    if key.stride(1) != 1 or value.stride() != key.stride():
+        key, value = key.contiguous(), value.contiguous()
+    slots = slot_mapping.contiguous()
+    half = kv_cache.shape[1] * kv_cache.shape[2] * width * kv_cache.element_size()
+    LIBRARY.require().scatter_kv_rows(key.data_ptr(), value.data_ptr(), key.stride(0) * key.element_size(),
+                                      kv_cache.data_ptr(), kv_cache.data_ptr() + half, width * key.element_size(),
+                                      slots.data_ptr(), rows)
+    return True
 
 
 def native_attend_address(kv_dtype: torch.dtype) -> Optional[int]:

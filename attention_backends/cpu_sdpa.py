@@ -50,7 +50,8 @@ class CpuSdpaAttention(AttentionBackend):
     supported_graph_modes = ("none",)   # torch.compile of the whole model not verified yet
 
     def forward(self, query, key, value, kv_cache, metadata: AttentionMetadata):
-        write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        if not cpu_paged_decode.write_kv_rows(key, value, kv_cache, metadata.slot_mapping):
+            write_kv(key, value, kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
         num_tokens = metadata.num_tokens
         out = torch.empty_like(query[:num_tokens])
         if num_tokens == 0:

@@ -974,7 +974,7 @@ void write_and_attend(const float* q, const float* k, const float* v, void* kv_c
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 5; }
+int tokenmill_kernels_abi_version() { return 6; }
 
 // paged_decode_<cache>: q [num_seqs, num_heads, head_size] float32 attending to positions
 // [first_pos, lens[s]) (and the window) of a cache of float32, bf16 or fp8 values; an fp8 cache
@@ -1037,5 +1037,17 @@ TOKENMILL_PAGED_ATTEND(paged_attend_fp8e5m2, E5M2)
 TOKENMILL_PAGED_PREFILL(paged_prefill_bf16kv, uint16_t)
 TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e4m3, E4M3)
 TOKENMILL_PAGED_PREFILL(paged_prefill_fp8e5m2, E5M2)
+
+// A step's K and V rows into their cache slots, one memcpy of row_bytes each: k row i (src_stride
+// bytes apart, the same for v) to k_dst + slots[i] * row_bytes. torch's CPU index_copy_ spends
+// ~0.4 us per row, which a long prompt's KV write paid in every layer; one thread copies a 2048-row
+// chunk in tens of microseconds, less than waking a second one costs.
+void scatter_kv_rows(const char* k, const char* v, int64_t src_stride, char* k_dst, char* v_dst, int64_t row_bytes,
+                     const int64_t* slots, int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(k_dst + slots[i] * row_bytes, k + i * src_stride, row_bytes);
+    std::memcpy(v_dst + slots[i] * row_bytes, v + i * src_stride, row_bytes);
+  }
+}
 
 }  // extern "C"

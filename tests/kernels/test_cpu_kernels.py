@@ -162,6 +162,24 @@ def test_native_attend_entry_soft_caps_scores(kv_dtype, head_size, window):
     assert (out.double() - plain).abs().max().item() > 1e-2       # the cap changed the answer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [3, 300])
+def test_native_kv_row_write_equals_write_kv(dtype, rows):
+    """The native slot write gives write_kv's cache, keys and values read from strided views of a
+    fused qkv output; what it does not take (another dtype than the cache's) it leaves untouched."""
+    from tokenmill.attention_backends.interface import write_kv
+    torch.manual_seed(0)
+    cache = torch.zeros(2, 40, 16, 2, 64, dtype=dtype)
+    qkv = torch.randn(rows, 8 * 64, dtype=dtype)
+    key, value = qkv[:, 4 * 64:6 * 64].view(rows, 2, 64), qkv[:, 6 * 64:]
+    slots = torch.randperm(40 * 16)[:rows]
+    expected = cache.clone()
+    write_kv(key, value, expected, slots)
+    assert cpu_paged_decode.write_kv_rows(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+    assert not cpu_paged_decode.write_kv_rows(key.half(), value.half(), cache, slots)
+
+
 @pytest.mark.parametrize("kv_dtype", FP8, ids=str)
 def test_fp8_writes_round_like_torch(kv_dtype):
     """The kernel's float -> fp8 rounding against torch's on every kind of value: subnormals,
