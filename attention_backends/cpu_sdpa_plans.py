@@ -1,6 +1,7 @@
 """cpu_sdpa's per-step plans: what depends only on a batch's layout, built on the first layer of
 a step and shared by the 30-odd layers after it (gather indices, padding masks, and the
-cascade plans for rows that share cached prefix blocks), and the block gather itself.
+cascade plans for rows that share cached prefix blocks), the block gather itself, and the
+attention-with-log-sum-exp and merge-by-log-sum-exp steps cascade attention is made of.
 """
 from __future__ import annotations
 

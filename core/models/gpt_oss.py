@@ -84,7 +84,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                 "fast_path": (False, "decode steps run every layer eagerly (attention sinks and the expert FFN "
                                      "are outside the cpu native step)"),
                 "quantization": (False, "MXFP4 checkpoints load (experts dequantized to the model dtype); "
-                                        "quantization methods on experts: not supported")}
+                                        "run-time methods on its experts are not verified (the native MoE op "
+                                        "declines biased, clamped-SwiGLU experts)")}
 
     @classmethod
     def layer_structure(cls, config: Any, layer_idx: int) -> LayerStructure:

@@ -211,6 +211,16 @@ def test_server_answers_as_transformers(tmp_path):
             assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
 
 
+def test_bf16_runs_as_the_eager_model(tmp_path):
+    """bf16 on the cpu platform's decode path: the native step does not express attention sinks or
+    expert FFNs, so every layer runs eagerly there: the tokens of the eager model (enforce_eager)."""
+    save(hf_model(), tmp_path)
+    fast = make_llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=64)
+    got = [list(o.outputs[0].token_ids) for o in generate(fast, PROMPTS, max_tokens=12)]
+    eager = make_llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=64, enforce_eager=True)
+    assert got == [list(o.outputs[0].token_ids) for o in generate(eager, PROMPTS, max_tokens=12)]
+
+
 def test_features_and_registry():
     from tokenmill.core.models.features import model_features
     from tokenmill.plugins import discovery
