@@ -62,16 +62,17 @@ def attend_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor
 def attend_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor,
                     kv_b_weight: torch.Tensor, scale: float) -> torch.Tensor:
     """B decode queries (q_nope [B, H, N], q_pe [B, H, R]) over their rows [B, S, L + R] (`valid` [B, S]
-    marks each one's context) in the absorbed form: [B, H, V] in q_nope's dtype."""
-    dtype, nope, rank = q_nope.dtype, q_nope.shape[-1], kv_b_weight.shape[-1]
-    w_uk, w_uv = kv_b_weight[:, :nope].to(dtype), kv_b_weight[:, nope:].to(dtype)    # [H, N, L], [H, V, L]
+    marks each one's context) in the absorbed form, in float32: [B, H, V] in q_nope's dtype. (In bf16
+    the absorbed query's scores, sums over L latent dims, would round to a few parts in 1000.)"""
+    nope, rank = q_nope.shape[-1], kv_b_weight.shape[-1]
+    w = kv_b_weight.float()
+    rows = rows.float()
     latent, k_pe = rows[..., :rank], rows[..., rank:]
-    q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)
-    scores = (torch.einsum("bhl,bsl->bhs", q_latent, latent) + torch.einsum("bhr,bsr->bhs", q_pe, k_pe)).float()
-    scores = scores * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(dtype)
-    return torch.einsum("bhl,hvl->bhv", torch.einsum("bhs,bsl->bhl", probs, latent), w_uv)
+    q_latent = torch.einsum("bhn,hnl->bhl", q_nope.float(), w[:, :nope])               # W_UK folded into q
+    scores = torch.einsum("bhl,bsl->bhs", q_latent, latent) + torch.einsum("bhr,bsr->bhs", q_pe.float(), k_pe)
+    scores = (scores * scale).masked_fill(~valid[:, None, :], float("-inf"))
+    out_latent = torch.einsum("bhs,bsl->bhl", torch.softmax(scores, dim=-1), latent)
+    return torch.einsum("bhl,hvl->bhv", out_latent, w[:, nope:]).to(q_nope.dtype)     # W_UV on the way out
 
 
 class CpuMLAAttention(AttentionBackend):

@@ -14,12 +14,15 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 HEAD_SIZES = (64, 80, 128, 256)
 GQA_RATIOS = (1, 3, 4, 8)
 BLOCK_SIZES = (16, 32)
 KV_DTYPES = ("auto", "fp8")
+# The multi-head latent attention rows (DeepSeek's shape scaled down): a cached row of latent L and
+# rope key R (the case's head_size, L + R), heads with N nope and V value dims.
+MLA_DIMS = {"latent": 224, "rope": 32, "nope": 64, "value": 64}
 
 # Max |out - ref| allowed: atol + rtol * |ref|, per compute dtype (fp8 KV: both read the same cache;
 # over float32 activations bf16's, see tolerance()).
@@ -51,6 +54,7 @@ class Case:
     batch: str = "mixed"       # "mixed": decodes + prefill chunks; "decode": decodes only
     sliding_window: Optional[int] = None     # Mistral's, Gemma's sliding layers
     logits_soft_cap: Optional[float] = None  # Gemma 2's
+    mla: bool = False                        # DeepSeek's latent cache (MLA_DIMS), through forward_mla
 
     @property
     def num_heads(self) -> int:
@@ -58,7 +62,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return (f"D{self.head_size} H{self.num_heads}/{self.num_kv_heads} bs{self.block_size} "
+        return ("MLA " if self.mla else "") + (
+                f"D{self.head_size} H{self.num_heads}/{self.num_kv_heads} bs{self.block_size} "
                 f"{self.dtype} kv:{self.kv_cache_dtype} {self.batch}"
                 + (f" window{self.sliding_window}" if self.sliding_window else "")
                 + (f" softcap{self.logits_soft_cap:g}" if self.logits_soft_cap else ""))
@@ -67,7 +72,7 @@ class Case:
         return {"head_size": self.head_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
                 "gqa_ratio": self.gqa_ratio, "block_size": self.block_size, "dtype": self.dtype,
                 "kv_cache_dtype": self.kv_cache_dtype, "batch": self.batch, "sliding_window": self.sliding_window,
-                "logits_soft_cap": self.logits_soft_cap}
+                "logits_soft_cap": self.logits_soft_cap, "mla": self.mla}
 
 
 def device_dtypes(device: str) -> list[str]:
@@ -110,8 +115,12 @@ def build_grid(kind: str, device: str) -> list[Case]:
 
 def _feature_cases(dtypes: list[str]) -> list[Case]:
     """The capabilities families need beyond plain causal attention: a sliding window shorter than
-    the contexts, logits soft-capping (scores = cap * tanh(scores / cap), scores of unit scale)."""
-    return [Case(64, 3, 16, "float32", "auto", 2, sliding_window=20),
+    the contexts, logits soft-capping (scores = cap * tanh(scores / cap), scores of unit scale),
+    multi-head latent attention."""
+    mla = MLA_DIMS["latent"] + MLA_DIMS["rope"]
+    return [Case(mla, 8, 16, "float32", "auto", 1, mla=True), Case(mla, 8, 32, "bfloat16", "auto", 1, mla=True),
+            Case(mla, 8, 16, "float32", "auto", 1, batch="decode", mla=True),
+            Case(64, 3, 16, "float32", "auto", 2, sliding_window=20),
             Case(128, 4, 16, "bfloat16", "auto", 2, sliding_window=20),
             Case(64, 3, 16, "float32", "auto", 2, logits_soft_cap=2.0),
             Case(128, 4, 32, "bfloat16", "auto", 2, logits_soft_cap=2.0, sliding_window=24)]
@@ -141,6 +150,8 @@ class CaseInputs:
     step2: tuple                    # (metadata, q, k, v) the mixed batch
     num_blocks: int
     seqs2: list                     # per sequence of step 2: (query_len, seq_len, kind)
+    kv_b: Any = None                # an MLA case's kv_b_proj weight [H, N + V, L]; its steps are
+                                    # (metadata, q_nope, q_pe, latent, k_pe)
 
 
 def make_inputs(case: Case, full: bool, seed: int, device: str) -> CaseInputs:
@@ -168,20 +179,29 @@ def make_inputs(case: Case, full: bool, seed: int, device: str) -> CaseInputs:
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(dtype).to(device)
 
+    def qkv(t: int) -> tuple:
+        if not case.mla:
+            return rnd(t, h, d), rnd(t, hkv, d), rnd(t, hkv, d)
+        n, r, rank = MLA_DIMS["nope"], MLA_DIMS["rope"], MLA_DIMS["latent"]
+        return rnd(t, h, n), rnd(t, h, r), rnd(t, rank), rnd(t, r)
+
     cached = [(i, c) for i, (_, c) in enumerate(specs) if c > 0]
     step1 = None
     if cached:
         md1 = build_metadata([c for _, c in cached], [c for _, c in cached], [tables[i] for i, _ in cached],
                              bs, device=device, num_decodes=0)
         t1 = sum(c for _, c in cached)
-        step1 = (md1, rnd(t1, h, d), rnd(t1, hkv, d), rnd(t1, hkv, d))
+        step1 = (md1, *qkv(t1))
     md2 = build_metadata([q for q, _ in specs], seq_lens, tables, bs, device=device)
     t2 = sum(q for q, _ in specs)
-    step2 = (md2, rnd(t2, h, d), rnd(t2, hkv, d), rnd(t2, hkv, d))
+    step2 = (md2, *qkv(t2))
     kinds = []
     for q, c in specs:
         kinds.append((q, q + c, "decode" if q == 1 else ("prefill" if c == 0 else "chunk")))
-    return CaseInputs(step1, step2, num_blocks, kinds)
+    kv_b = None
+    if case.mla:           # scaled so expanded keys and values are of unit size
+        kv_b = rnd(h, MLA_DIMS["nope"] + MLA_DIMS["value"], MLA_DIMS["latent"]) * MLA_DIMS["latent"] ** -0.5
+    return CaseInputs(step1, step2, num_blocks, kinds, kv_b)
 
 
 @dataclass
@@ -207,7 +227,7 @@ def attention_config(case: Case, dispatch_key: str):
     return AttentionConfig(head_size=case.head_size, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                            dtype=getattr(torch, case.dtype), kv_cache_dtype=case.kv_cache_dtype,
                            block_size=case.block_size, sliding_window=case.sliding_window,
-                           logits_soft_cap=case.logits_soft_cap, device=dispatch_key)
+                           logits_soft_cap=case.logits_soft_cap, device=dispatch_key, mla=case.mla)
 
 
 def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
@@ -215,9 +235,11 @@ def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
     import torch
     from tokenmill.attention_backends.interface import kv_cache_torch_dtype
     dtype = getattr(torch, case.dtype)
-    shape = cls.kv_cache_shape(inputs.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    shape = (inputs.num_blocks, case.block_size, case.head_size) if case.mla else \
+        cls.kv_cache_shape(inputs.num_blocks, case.block_size, case.num_kv_heads, case.head_size)
     cache = torch.zeros(shape, dtype=kv_cache_torch_dtype(case.kv_cache_dtype, dtype), device=device)
-    be = cls(case.num_heads, case.head_size, case.head_size ** -0.5, case.num_kv_heads,
+    scale = (MLA_DIMS["nope"] + MLA_DIMS["rope"]) ** -0.5 if case.mla else case.head_size ** -0.5
+    be = cls(case.num_heads, case.head_size, scale, case.num_kv_heads,
              sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
              kv_cache_dtype=case.kv_cache_dtype)
     outs = []
@@ -225,8 +247,11 @@ def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
         if step is None:
             outs.append(None)
             continue
-        md, q, k, v = step
-        out = be.forward(q.clone(), k.clone(), v.clone(), cache, md)
+        md, *tensors = step
+        if case.mla:
+            out = be.forward_mla(*(x.clone() for x in tensors), cache, md, inputs.kv_b)
+        else:
+            out = be.forward(*(x.clone() for x in tensors), cache, md)
         outs.append(out.detach().float().cpu())
     return outs
 

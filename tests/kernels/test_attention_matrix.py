@@ -57,7 +57,7 @@ def test_quick_grid_every_cpu_backend_passes():
         assert not [r for r in rows if r.status == "fail"], [(r.case.label, r.max_abs_error, r.where) for r in rows]
         assert any(r.status == "pass" for r in rows), name
     if "triton_paged" in by:   # fp8 KV is unsupported under the interpreter, with its own reason
-        unsup = [r for r in by["triton_paged"] if r.status == "unsupported"]
+        unsup = [r for r in by["triton_paged"] if r.status == "unsupported" and not r.case.mla]
         assert unsup and all(r.case.kv_cache_dtype == "fp8" for r in unsup)
         assert all("interpreter" in "; ".join(r.reasons) for r in unsup)
 
@@ -94,7 +94,8 @@ def test_cli_one_backend_json_and_markdown(tmp_path, capsys):
     assert code == 0
     data = json.loads(out.read_text())
     assert {r["backend"] for r in data["results"]} == {"cpu_sdpa"}
-    assert all(r["status"] == "pass" for r in data["results"])
+    # every case but the multi-head latent attention rows, which cpu_sdpa refuses
+    assert all(r["status"] == ("unsupported" if r["case"]["mla"] else "pass") for r in data["results"])
     assert data["environment"]["torch"] and data["tolerances"]["bfloat16"]
     doc = md.read_text()
     assert "cpu_sdpa" in doc and "tolerance" in doc and "torch" in doc
