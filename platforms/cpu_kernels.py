@@ -12,16 +12,16 @@ import torch
 
 from .native_build import NativeLibrary, source
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.rms_norm_f32.argtypes = [p, p, p, f32, f32, p, p, i64, i64]
-    lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64]
+    lib.rope_f32.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
     lib.silu_mul_f32.argtypes = [p, p, i64, i64]
     lib.rms_norm_bf16.argtypes = [p, p, p, f32, f32, p, p, i64, i64]
-    lib.rope_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64]
+    lib.rope_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
     lib.silu_mul_bf16.argtypes = [p, p, i64, i64]
     lib.gelu_tanh_mul_f32.argtypes = [p, p, i64, i64]
     lib.gelu_tanh_mul_bf16.argtypes = [p, p, i64, i64]

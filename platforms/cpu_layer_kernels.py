@@ -54,18 +54,22 @@ class NativeRMSNorm:
 class NativeRotary:
     name = "native_rope"
 
-    def __call__(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> Any:
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 rotary_dim: Optional[int] = None, interleaved: bool = False) -> Any:
         """x [T, heads, D] with heads contiguous inside each token's row (a view into the fused
-        qkv output is fine) -> rotated contiguous copy."""
+        qkv output is fine) -> rotated contiguous copy; the leading `rotary_dim` dims of each head
+        rotate (rotate-half halves, or adjacent pairs where `interleaved`), the rest are copied."""
+        rotary_dim = rotary_dim or x.shape[-1]
         if (x.dtype not in KERNEL_DTYPES or cos_sin_cache.dtype != x.dtype or x.dim() != 3
                 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or not cos_sin_cache.is_contiguous()
+                or cos_sin_cache.shape[-1] != rotary_dim or rotary_dim % 2 or rotary_dim > x.shape[2]
                 or positions.dtype != torch.long or not positions.is_contiguous()):
             return NotImplemented
         tokens, heads, head_size = x.shape
         out = torch.empty((tokens, heads, head_size), dtype=x.dtype)
         rope = _lib().rope_f32 if x.dtype == torch.float32 else _lib().rope_bf16
         rope(x.data_ptr(), x.stride(0), cos_sin_cache.data_ptr(), positions.data_ptr(),
-             out.data_ptr(), tokens, heads, head_size)
+             out.data_ptr(), tokens, heads, head_size, rotary_dim, int(interleaved))
         return out
 
 

@@ -109,7 +109,8 @@ class LayerKernels:
 
     Elementwise ops are callables that may return NotImplemented for an input they do not take (the
     layer then runs torch): rms_norm(x, residual, weight, eps, offset=0.0) (offset: Gemma's 1 in
-    (1 + w), scaled in float32), rotary(positions, x, cos_sin_cache), silu_and_mul(x),
+    (1 + w), scaled in float32), rotary(positions, x, cos_sin_cache, rotary_dim=None, interleaved=False)
+    (partial or GPT-J rotary), silu_and_mul(x),
     gelu_tanh_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
     layer's experts; core/layers/moe.py moe_reference is the contract). Dense matmuls are objects
     with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:

@@ -70,8 +70,9 @@ class RotaryEmbedding(nn.Module):
         return self.rotary_dim == self.head_size and not self.interleaved
 
     def use_kernel(self, kernel) -> None:
-        """Run through `kernel(positions, x, cos_sin_cache)` (a platform's fused op); it may
-        return NotImplemented. None: torch."""
+        """Run through `kernel(positions, x, cos_sin_cache)` (a platform's fused op), given
+        `rotary_dim=` and `interleaved=` where the rotation is not rotate-half over whole heads; it
+        may return NotImplemented. None: torch."""
         self._kernel = kernel
 
     def new_forward(self) -> None:
@@ -86,8 +87,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, n_heads, D] (any heads: pass q and k stacked to rotate both at once) -> rotated copy."""
-        if self._kernel is not None and self.whole_head:
-            out = self._kernel(positions, x, self.cos_sin_cache)
+        if self._kernel is not None:
+            out = self._kernel(positions, x, self.cos_sin_cache) if self.whole_head else \
+                self._kernel(positions, x, self.cos_sin_cache, rotary_dim=self.rotary_dim, interleaved=self.interleaved)
             if out is not NotImplemented:
                 return out
         cos, sin = self._cos_sin(positions)

@@ -28,7 +28,7 @@ using tokenmill_cpu::round_to_bf16;
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 9; }
+int tokenmill_kernels_abi_version() { return 10; }
 
 // out = rmsnorm(x (+ residual)) * (offset + weight); with residual non-null, residual_out = x +
 // residual. offset is Gemma's 1 in (1 + w), else 0. Rows are contiguous; threads only for batches
@@ -56,24 +56,35 @@ void rms_norm_f32(const float* x, const float* residual, const float* weight, fl
   }
 }
 
-// Rotary embedding, HF "rotate half" layout: for each token t and head h of x (row stride
-// x_row_stride, heads contiguous inside a row), out[t, h] = (x1 cos - x2 sin, x2 cos + x1 sin)
-// with cos | sin = cos_sin[positions[t]] (each head_size / 2 wide). out is contiguous.
+// Rotary embedding of the leading rotary_dim dims of each head (the rest copied: Phi-3's and GLM's
+// partial rotary): for each token t and head h of x (row stride x_row_stride, heads contiguous
+// inside a row), HF's "rotate half" layout out[t, h] = (x1 cos - x2 sin, x2 cos + x1 sin) over the
+// two halves, or with `interleaved` (GPT-J's, GLM's) the same over adjacent pairs (x[2i], x[2i+1]);
+// cos | sin = cos_sin[positions[t]] (each rotary_dim / 2 wide). out is contiguous.
 void rope_f32(const float* x, int64_t x_row_stride, const float* cos_sin, const int64_t* positions,
-              float* out, int64_t tokens, int64_t heads, int64_t head_size) {
-  const int64_t half = head_size / 2;
+              float* out, int64_t tokens, int64_t heads, int64_t head_size, int64_t rotary_dim, int64_t interleaved) {
+  const int64_t half = rotary_dim / 2;
 #pragma omp parallel for schedule(static) if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* cs = cos_sin + positions[t] * head_size;
+    const float* cs = cos_sin + positions[t] * rotary_dim;
     const float* sn = cs + half;
     for (int64_t h = 0; h < heads; ++h) {
       const float* xh = x + t * x_row_stride + h * head_size;
       float* oh = out + (t * heads + h) * head_size;
+      if (interleaved) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = xh[2 * i], x2 = xh[2 * i + 1];
+          oh[2 * i] = x1 * cs[i] - x2 * sn[i];
+          oh[2 * i + 1] = x2 * cs[i] + x1 * sn[i];
+        }
+      } else {
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        oh[i] = xh[i] * cs[i] - xh[half + i] * sn[i];
-        oh[half + i] = xh[half + i] * cs[i] + xh[i] * sn[i];
+        for (int64_t i = 0; i < half; ++i) {
+          oh[i] = xh[i] * cs[i] - xh[half + i] * sn[i];
+          oh[half + i] = xh[half + i] * cs[i] + xh[i] * sn[i];
+        }
       }
+      for (int64_t i = rotary_dim; i < head_size; ++i) oh[i] = xh[i];
     }
   }
 }
@@ -136,22 +147,29 @@ void rms_norm_bf16(const uint16_t* x, const uint16_t* residual, const uint16_t* 
 
 // rope_f32's rotation, each product and sum rounded as torch's bf16 ops round them.
 void rope_bf16(const uint16_t* x, int64_t x_row_stride, const uint16_t* cos_sin, const int64_t* positions,
-               uint16_t* out, int64_t tokens, int64_t heads, int64_t head_size) {
-  const int64_t half = head_size / 2;
+               uint16_t* out, int64_t tokens, int64_t heads, int64_t head_size, int64_t rotary_dim,
+               int64_t interleaved) {
+  const int64_t half = rotary_dim / 2;
+  // (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), each product and the sum rounded to bf16.
+  auto rotate = [](uint16_t a, uint16_t b, uint16_t cu, uint16_t su, uint16_t* oa, uint16_t* ob) {
+    const float x1 = bf16_to_f32(a), x2 = bf16_to_f32(b), c = bf16_to_f32(cu), s = bf16_to_f32(su);
+    *oa = f32_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * s));
+    *ob = f32_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * s));
+  };
 #pragma omp parallel for schedule(static) if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* cs = cos_sin + positions[t] * head_size;
+    const uint16_t* cs = cos_sin + positions[t] * rotary_dim;
     const uint16_t* sn = cs + half;
     for (int64_t h = 0; h < heads; ++h) {
       const uint16_t* xh = x + t * x_row_stride + h * head_size;
       uint16_t* oh = out + (t * heads + h) * head_size;
+      if (interleaved) {
+        for (int64_t i = 0; i < half; ++i) rotate(xh[2 * i], xh[2 * i + 1], cs[i], sn[i], oh + 2 * i, oh + 2 * i + 1);
+      } else {
 #pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[half + i]);
-        const float c = bf16_to_f32(cs[i]), s = bf16_to_f32(sn[i]);
-        oh[i] = f32_to_bf16(round_to_bf16(x1 * c) - round_to_bf16(x2 * s));
-        oh[half + i] = f32_to_bf16(round_to_bf16(x2 * c) + round_to_bf16(x1 * s));
+        for (int64_t i = 0; i < half; ++i) rotate(xh[i], xh[half + i], cs[i], sn[i], oh + i, oh + half + i);
       }
+      for (int64_t i = rotary_dim; i < head_size; ++i) oh[i] = xh[i];
     }
   }
 }

@@ -383,6 +383,7 @@ def test_layer_kernels_match_the_torch_layers(dtype):
             agree(got, want)
         assert head_norm(heads).shape == (rows, 9, 64)
         agree(head_norm(heads), plain_heads)
+        assert NativeRMSNorm()(x, None, gemma.weight, 1e-6, offset=1.0) is not NotImplemented
 
         rope = RotaryEmbedding(64, 512, 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)), dtype=dtype)
         qkv = torch.randn(rows, (9 + 3 + 3) * 64, dtype=dtype)
@@ -392,6 +393,15 @@ def test_layer_kernels_match_the_torch_layers(dtype):
         rope.use_kernel(NativeRotary())
         rope.new_forward()
         agree(rope(positions, qk), plain)
+        for rotary_dim, interleaved in ((48, False), (32, True), (64, True)):     # Phi-3, GLM, GPT-J
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+            partial = RotaryEmbedding(64, 512, inv_freq, dtype=dtype, rotary_dim=rotary_dim, interleaved=interleaved)
+            plain = partial(positions, qk)
+            partial.use_kernel(NativeRotary())
+            partial.new_forward()
+            agree(partial(positions, qk), plain)
+            assert NativeRotary()(positions, qk, partial.cos_sin_cache, rotary_dim=rotary_dim,
+                                  interleaved=interleaved) is not NotImplemented
 
         act = SiluAndMul()
         h = torch.randn(rows, 2 * 1536, dtype=dtype)
@@ -403,6 +413,7 @@ def test_layer_kernels_match_the_torch_layers(dtype):
         plain = geglu(h)
         geglu.use_kernel(NativeGeluTanhAndMul())
         agree(geglu(h), plain)
+        assert NativeGeluTanhAndMul()(h) is not NotImplemented
     # What a kernel does not cover falls back to torch.
     assert NativeSiluAndMul()(torch.randn(2, 8, dtype=torch.float16)) is NotImplemented
     assert NativeRMSNorm()(x, None, norm.weight.float() if dtype == torch.bfloat16 else norm.weight.bfloat16(),
