@@ -55,6 +55,7 @@ class Case:
     sliding_window: Optional[int] = None     # Mistral's, Gemma's sliding layers
     logits_soft_cap: Optional[float] = None  # Gemma 2's
     mla: bool = False                        # DeepSeek's latent cache (MLA_DIMS), through forward_mla
+    attention_sinks: bool = False            # GPT-OSS's per-head sink logits (case_sinks)
 
     @property
     def num_heads(self) -> int:
@@ -66,13 +67,14 @@ class Case:
                 f"D{self.head_size} H{self.num_heads}/{self.num_kv_heads} bs{self.block_size} "
                 f"{self.dtype} kv:{self.kv_cache_dtype} {self.batch}"
                 + (f" window{self.sliding_window}" if self.sliding_window else "")
-                + (f" softcap{self.logits_soft_cap:g}" if self.logits_soft_cap else ""))
+                + (f" softcap{self.logits_soft_cap:g}" if self.logits_soft_cap else "")
+                + (" sinks" if self.attention_sinks else ""))
 
     def as_dict(self) -> dict:
         return {"head_size": self.head_size, "num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads,
                 "gqa_ratio": self.gqa_ratio, "block_size": self.block_size, "dtype": self.dtype,
                 "kv_cache_dtype": self.kv_cache_dtype, "batch": self.batch, "sliding_window": self.sliding_window,
-                "logits_soft_cap": self.logits_soft_cap, "mla": self.mla}
+                "logits_soft_cap": self.logits_soft_cap, "mla": self.mla, "attention_sinks": self.attention_sinks}
 
 
 def device_dtypes(device: str) -> list[str]:
@@ -123,7 +125,18 @@ def _feature_cases(dtypes: list[str]) -> list[Case]:
             Case(64, 3, 16, "float32", "auto", 2, sliding_window=20),
             Case(128, 4, 16, "bfloat16", "auto", 2, sliding_window=20),
             Case(64, 3, 16, "float32", "auto", 2, logits_soft_cap=2.0),
-            Case(128, 4, 32, "bfloat16", "auto", 2, logits_soft_cap=2.0, sliding_window=24)]
+            Case(128, 4, 32, "bfloat16", "auto", 2, logits_soft_cap=2.0, sliding_window=24),
+            Case(64, 4, 16, "float32", "auto", 2, attention_sinks=True),
+            Case(64, 4, 16, "bfloat16", "auto", 2, sliding_window=20, attention_sinks=True)]
+
+
+def case_sinks(case: Case):
+    """A sinks case's logits, one per query head, of the scores' size (so they take a real share of
+    each softmax, more for some heads than others); None for other cases."""
+    if not case.attention_sinks:
+        return None
+    import torch
+    return torch.linspace(-2.0, 2.0, case.num_heads)
 
 
 def _batch_spec(case: Case, full: bool, rng: random.Random) -> list[tuple[int, int]]:
@@ -227,7 +240,8 @@ def attention_config(case: Case, dispatch_key: str):
     return AttentionConfig(head_size=case.head_size, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
                            dtype=getattr(torch, case.dtype), kv_cache_dtype=case.kv_cache_dtype,
                            block_size=case.block_size, sliding_window=case.sliding_window,
-                           logits_soft_cap=case.logits_soft_cap, device=dispatch_key, mla=case.mla)
+                           logits_soft_cap=case.logits_soft_cap, device=dispatch_key, mla=case.mla,
+                           attention_sinks=case.attention_sinks)
 
 
 def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
@@ -242,6 +256,8 @@ def run_backend(cls, case: Case, inputs: CaseInputs, device: str):
     be = cls(case.num_heads, case.head_size, scale, case.num_kv_heads,
              sliding_window=case.sliding_window, logits_soft_cap=case.logits_soft_cap,
              kv_cache_dtype=case.kv_cache_dtype)
+    if case.attention_sinks:
+        be.sinks = case_sinks(case).to(device)
     outs = []
     for step in (inputs.step1, inputs.step2):
         if step is None:

@@ -101,3 +101,16 @@ def test_selector_passes_over_backends_without_sinks():
     config = AttentionConfig(HEAD, HEADS, KV_HEADS, torch.float32, attention_sinks=True)
     assert CpuSdpaAttention.validate(config) == [] and ReferenceAttention.validate(config) == []
     assert "attention sinks not supported" in FlashAttentionBackend.validate(config)
+
+
+def test_attention_matrix_has_sinks_rows():
+    """`tokenmill attention-matrix` judges sinks like any capability: its sinks cases pass on the CPU
+    backends that declare them, and a backend that does not is unsupported with the reason."""
+    from tokenmill.attention_backends.flash_attn import FlashAttentionBackend
+    from tokenmill.entrypoints import attention_grid as grid
+    cases = [c for c in grid.build_grid("quick", "cpu") if c.attention_sinks]
+    assert cases and all("sinks" in c.label for c in cases)
+    backends = {"cpu_sdpa": CpuSdpaAttention, "flash_attn": FlashAttentionBackend}
+    results = grid.run_matrix(backends, cases, device="cpu")
+    assert {r.status for r in results if r.backend == "cpu_sdpa"} == {"pass"}
+    assert all("attention sinks not supported" in r.reasons for r in results if r.backend == "flash_attn")
