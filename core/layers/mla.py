@@ -92,7 +92,8 @@ class DeepseekAttention(nn.Module):
             self.q_b_proj = Linear(self.q_lora_rank, q_width, **linear)
         self.kv_a_proj_with_mqa = Linear(hidden, spec.width, bias=bias, **linear)
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), **linear)
+        # Dense whatever the quantization: the backend reads it as a matrix (W_UK / W_UV per head).
+        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), dtype=dtype)
         self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=bias, **linear)
         if rotary is None:
             raise ValueError(f"{family.__name__}: MLA rotates its rope dims; the layer has no rotary table")

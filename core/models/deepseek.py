@@ -35,6 +35,8 @@ DEEPSEEK_FEATURES: dict[str, tuple[bool, str]] = {
     "fast_path": (False, "decode steps run eagerly (the cpu native step does not express MLA's latent cache); "
                          "the attention backend decodes in the absorbed form"),
     "sliding_window": (False, "DeepSeek attends over the whole context"),
+    "quantization": (True, "int4 / int8 on the projections and the experts; kv_b_proj stays dense (MLA reads it "
+                           "as each head's W_UK / W_UV); other methods and quantized checkpoints are refused"),
 }
 
 

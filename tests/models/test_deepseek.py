@@ -195,3 +195,20 @@ def test_features_and_refusals(tmp_path, monkeypatch):
     monkeypatch.setattr(distributed, "_STATE", distributed.ParallelState(tp_size=2))
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         load_for_test(tmp_path)
+
+
+def test_int8_and_int4_quantize_all_but_kv_b_proj(tmp_path):
+    """Run-time int8 / int4 cover the projections and the experts; kv_b_proj, which the backend reads
+    as a matrix, stays dense. The last logits stay close to float32's."""
+    save_family("deepseek_v3", tmp_path)
+    prompt = PROMPTS[0]
+    dense = run_prompt(make_llm(tmp_path).engine.bundle.model, prompt)[-1]
+    for method, similarity in (("int8", 0.999), ("int4", 0.97)):
+        model = make_llm(tmp_path, quantization=method).engine.bundle.model
+        attn = model.model.layers[1].self_attn
+        assert type(attn.kv_b_proj.quant_method).__name__ == "UnquantizedLinearMethod"
+        assert attn.kv_b_proj.weight.dtype == torch.float32
+        assert method in type(attn.o_proj.quant_method).__name__.lower()
+        assert method in type(model.model.layers[1].mlp.quant_method).__name__.lower()      # the experts
+        got = run_prompt(model, prompt)[-1]
+        assert torch.nn.functional.cosine_similarity(dense, got, dim=0) > similarity
