@@ -185,15 +185,26 @@ class DecoderLayer(nn.Module):
             hidden = self.self_attn(positions, hidden, attn_metadata)
             hidden, residual = ffn_in(hidden, residual)
             return self.mlp(hidden), residual
-        stream = hidden if residual is None else hidden + residual
         scale = self.structure.residual_scale
-        normed = self._apply("attn_in", stream)
+        normed, stream = self._add_and_norm("attn_in", hidden, residual)
         attn = self._apply("attn_out", self.self_attn(positions, normed, attn_metadata))
         if self.structure.parallel_block:         # attention and FFN read the same normed input
             return (attn + self.mlp(normed)) * scale if scale != 1.0 else attn + self.mlp(normed), stream
-        stream = stream + (attn * scale if scale != 1.0 else attn)
-        ffn = self._apply("ffn_out", self.mlp(self._apply("ffn_in", stream)))
+        normed, stream = self._add_and_norm("ffn_in", attn * scale if scale != 1.0 else attn, stream)
+        ffn = self._apply("ffn_out", self.mlp(normed))
         return (ffn * scale if scale != 1.0 else ffn), stream
+
+    def _add_and_norm(self, slot: str, x: torch.Tensor, residual: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the add folded into the norm's fused form where
+        the slot has a norm (the same sums: one op instead of two passes)."""
+        norm = self.norm(slot)
+        if residual is None:
+            return (x if norm is None else norm(x)), x
+        if norm is None:
+            stream = x + residual
+            return stream, stream
+        return norm(x, residual)
 
     def _apply(self, slot: str, x: torch.Tensor) -> torch.Tensor:
         norm = self.norm(slot)
