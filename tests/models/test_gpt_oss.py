@@ -21,9 +21,9 @@ WINDOW = 16
 CONFIG = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64, intermediate_size=32,
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=256, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-              # yarn as gpt-oss ships it, its original length inside these prompts' reach
+              # yarn as gpt-oss ships it, scaled down (factor 4 of 64 original positions)
               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                               "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
 # Mixed lengths over 16-token blocks and 32-token prefill chunks, most longer than the window.
 PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in enumerate((45, 11, 23, 33))]
 
@@ -93,13 +93,15 @@ def test_greedy_matches_transformers(tmp_path):
     assert_greedy_twice(llm, PROMPTS, expected)
 
 
-def test_tp2_matches_transformers(tmp_path):
-    """Two ranks: each holds its heads' sinks and half of every expert (and of its gate/up bias); the
-    down bias is added once: transformers' tokens."""
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_two_ranks_match_transformers(tmp_path, parallel):
+    """Tensor parallel: each rank holds its heads' sinks and half of every expert (and of its gate/up
+    bias), the down bias added once; pipeline parallel: each stage its layers' sinks. transformers'
+    tokens."""
     hf = hf_model()
     save(hf, tmp_path)
     expected = hf_greedy(hf, PROMPTS[:2])
-    llm = make_llm(tmp_path, tensor_parallel_size=2)
+    llm = make_llm(tmp_path, **parallel)
     try:
         assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS[:2])] == expected
     finally:
