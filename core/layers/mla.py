@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenmill.quantization.interface import QuantizationMethod
 
+from .. import distributed
 from ..kv_groups import MLAKVSpec
 from .linear import Linear
 from .norm import RMSNorm
@@ -25,8 +26,13 @@ from .rotary import RotaryEmbedding, rope_parameters
 LATENT_NORM_EPS = 1e-6
 
 
-def mla_kv_spec(config: Any) -> MLAKVSpec:
-    return MLAKVSpec(int(config.kv_lora_rank), int(config.qk_rope_head_dim), int(config.num_attention_heads),
+def mla_kv_spec(config: Any, tp_size: int = 1) -> MLAKVSpec:
+    """The cache of one layer on a rank holding 1/tp_size of the heads (every rank caches the whole
+    latent: the heads share it)."""
+    heads = int(config.num_attention_heads)
+    if heads % tp_size:
+        raise ValueError(f"num_attention_heads {heads} does not divide by tensor_parallel_size={tp_size}")
+    return MLAKVSpec(int(config.kv_lora_rank), int(config.qk_rope_head_dim), heads // tp_size,
                      int(config.qk_nope_head_dim), int(config.v_head_dim))
 
 
@@ -78,23 +84,26 @@ class DeepseekAttention(nn.Module):
                  attn_backend_cls: type, dtype: torch.dtype, kv_cache_dtype: str,
                  quant_method: QuantizationMethod) -> None:
         super().__init__()
-        self.spec = spec = mla_kv_spec(config)
-        h, hidden = spec.num_heads, config.hidden_size
+        # Tensor parallelism: each rank holds 1/tp of the heads (q, kv_b and o split by head); the
+        # latent projection, its norm and the cache are whole on every rank.
+        self.spec = spec = mla_kv_spec(config, distributed.tp_size())
+        h, hidden = int(config.num_attention_heads), config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         q_width = h * (spec.qk_nope_head_dim + spec.qk_rope_head_dim)
         linear: dict[str, Any] = dict(dtype=dtype, quant_method=quant_method)
         if self.q_lora_rank is None:              # DeepSeek-V2-Lite: a plain query projection
-            self.q_proj = Linear(hidden, q_width, **linear)
+            self.q_proj = Linear(hidden, q_width, parallel="column", **linear)
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias, **linear)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, q_width, **linear)
+            self.q_b_proj = Linear(self.q_lora_rank, q_width, parallel="column", **linear)
         self.kv_a_proj_with_mqa = Linear(hidden, spec.width, bias=bias, **linear)
         self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, LATENT_NORM_EPS, dtype)
         # Dense whatever the quantization: the backend reads it as a matrix (W_UK / W_UV per head).
-        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), dtype=dtype)
-        self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=bias, **linear)
+        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), dtype=dtype,
+                                parallel="column")
+        self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=bias, parallel="row", **linear)
         if rotary is None:
             raise ValueError(f"{family.__name__}: MLA rotates its rope dims; the layer has no rotary table")
         self.rotary_emb = rotary

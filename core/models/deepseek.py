@@ -21,7 +21,6 @@ from tokenmill.attention_backends.interface import AttentionConfig
 from tokenmill.platforms.interface import DecoderLayerSpec, DecoderStackSpec, LayerStructure
 from tokenmill.quantization.interface import QuantizationMethod
 
-from .. import distributed
 from ..layers.mla import DeepseekAttention, mla_kv_spec
 from ..layers.moe import FusedMoE
 from .decoder import DecoderMLP
@@ -29,8 +28,8 @@ from .moe_families import MOE_FEATURES, MoeForCausalLM
 
 DEEPSEEK_FEATURES: dict[str, tuple[bool, str]] = {
     **MOE_FEATURES,
-    "tp": (False, "MLA layers: tensor_parallel_size=1"),
-    "pp": (False, "pipeline_parallel_size=1"),
+    "tp": (True, "MLA heads (q, kv_b and o projections) split over ranks, each caching the whole latent; "
+                 "experts as the other MoE families"),
     "lora": (False, "not supported (MLA projections, experts)"),
     "fast_path": (False, "decode steps run eagerly (the cpu native step does not express MLA's latent cache); "
                          "the attention backend decodes in the absorbed form"),
@@ -48,13 +47,6 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     # q/k/v are not fused here (q_proj is V2-Lite's whole query); only the dense MLPs' gate/up are.
     packed_modules_mapping = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
     lora_plain_modules = ()
-
-    def __init__(self, hf_config: Any, *args: Any, **kwargs: Any) -> None:
-        state = distributed.get_state()
-        if state.tp_size > 1 or state.pp_size > 1:
-            raise ValueError(f"{type(self).__name__}: multi-head latent attention runs on one rank; use "
-                             "tensor_parallel_size=1 and pipeline_parallel_size=1")
-        super().__init__(hf_config, *args, **kwargs)
 
     @classmethod
     def deinterleave_rope(cls, config: Any) -> bool:

@@ -1,6 +1,7 @@
 """DeepSeek-V2 and DeepSeek-V3 (core/models/deepseek.py) with multi-head latent attention
 (core/layers/mla.py, attention_backends/mla.py): greedy tokens identical to transformers' float32
-on random-weight checkpoints it writes, over chunked prefills and from the prefix cache; the cache
+on random-weight checkpoints it writes, over chunked prefills, from the prefix cache and at tensor or
+pipeline parallel size 2; int8 / int4 close to float32; the cache
 holding one latent + rope row per token; the absorbed decode equal to the expanded form; backends
 without MLA passed over with their reason; the cpu fast decode path refusing MLA layers by name."""
 from __future__ import annotations
@@ -182,19 +183,30 @@ def test_fast_path_refuses_mla_layers_by_name(tmp_path):
     assert len(generate(llm, PROMPTS[:2], max_tokens=4)[1].outputs[0].token_ids) == 4
 
 
-def test_features_and_refusals(tmp_path, monkeypatch):
-    from tokenmill.core import distributed
+def test_features():
     from tokenmill.core.models.features import model_features
     from tokenmill.plugins import discovery
     registered = discovery.model_architectures()
     for name in ARCHITECTURES.values():
         features = model_features(registered[name])
         assert features["fast_path"]["supported"] is False and "MLA" in features["fast_path"]["detail"]
-        assert features["tp"]["supported"] is False and features["lora"]["supported"] is False
-    save_family("deepseek_v2", tmp_path)
-    monkeypatch.setattr(distributed, "_STATE", distributed.ParallelState(tp_size=2))
-    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        load_for_test(tmp_path)
+        assert features["lora"]["supported"] is False and features["tp"]["supported"] is True
+
+
+@pytest.mark.parametrize("model_type,parallel", [("deepseek_v2", {"tensor_parallel_size": 2}),
+                                                 ("deepseek_v3", {"tensor_parallel_size": 2}),
+                                                 ("deepseek_v3", {"pipeline_parallel_size": 2})])
+def test_two_ranks_match_transformers(tmp_path, model_type, parallel):
+    """tp=2: each rank holds half of the heads (q, kv_b, o) and caches the whole latent; pp=2: the
+    layers over two stages. transformers' tokens either way."""
+    hf = save_family(model_type, tmp_path)
+    prompts = PROMPTS[:2]
+    llm = make_llm(tmp_path, **parallel)
+    try:
+        assert [list(o.outputs[0].token_ids) for o in generate(llm, prompts, max_tokens=12)] == \
+            hf_greedy(hf, prompts, max_tokens=12)
+    finally:
+        llm.engine.executor.shutdown()
 
 
 def test_int8_and_int4_quantize_all_but_kv_b_proj(tmp_path):
