@@ -83,9 +83,9 @@ class GptOssForCausalLM(MoeForCausalLM):
                 "sliding_window": (True, "alternating sliding / full layers (layer_types), hybrid KV groups"),
                 "fast_path": (False, "decode steps run every layer eagerly (attention sinks and the expert FFN "
                                      "are outside the cpu native step)"),
-                "quantization": (False, "MXFP4 checkpoints load (experts dequantized to the model dtype); "
-                                        "run-time methods on its experts are not verified (the native MoE op "
-                                        "declines biased, clamped-SwiGLU experts)")}
+                "quantization": (True, "MXFP4 checkpoints load (experts dequantized to the model dtype); int4 / "
+                                       "int8 quantize the experts too, run by the torch op (the cpu native MoE op "
+                                       "declines biased, clamped-SwiGLU experts)")}
 
     @classmethod
     def layer_structure(cls, config: Any, layer_idx: int) -> LayerStructure:

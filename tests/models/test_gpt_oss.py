@@ -223,6 +223,41 @@ def test_bf16_runs_as_the_eager_model(tmp_path):
     assert got == [list(o.outputs[0].token_ids) for o in generate(eager, PROMPTS, max_tokens=12)]
 
 
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_experts_stay_close_to_float32(tmp_path, quantization):
+    """quantization int4 / int8 on GPT-OSS: its linear layers and experts quantized (the experts' biases,
+    sinks and router kept), prompt log-probs close to float32's (transformers' own init, as the other MoE
+    families' quantized test: the random-noise weights above quantize far worse than trained ones)."""
+    import transformers
+    from tokenmill.core.sampling_params import SamplingParams
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("gpt_oss", **CONFIG),
+                                                          dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                param.add_(torch.randn_like(param) * (0.1 if name.endswith("norm.weight") else 0.02))
+            if name.endswith("router.weight"):
+                param.mul_(20.0)
+            if name.endswith("sinks"):
+                param.copy_(torch.randn_like(param) * 2.0)
+    save(model, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+
+    def first_logprobs(llm) -> list[list[float]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+        return [[float(getattr(v, "logprob", v)) for d in o.prompt_logprobs if d for v in list(d.values())[:1]]
+                for o in outputs]
+
+    exact = first_logprobs(make_llm(tmp_path))
+    llm = make_llm(tmp_path, quantization=quantization)
+    experts = [m for m in llm.engine.bundle.model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.quant_method.name == quantization for m in experts)
+    quant = first_logprobs(llm)
+    worst = max(abs(x - y) for a, b in zip(exact, quant) for x, y in zip(a, b))
+    assert worst < {"int4": 0.15, "int8": 0.05}[quantization]      # about half of each bound here
+
+
 def test_features_and_registry():
     from tokenmill.core.models.features import model_features
     from tokenmill.plugins import discovery
@@ -230,4 +265,4 @@ def test_features_and_registry():
     features = model_features(cls)
     assert features["sliding_window"]["supported"] is True
     assert features["fast_path"]["supported"] is False and "eagerly" in features["fast_path"]["detail"]
-    assert "MXFP4" in features["quantization"]["detail"]
+    assert features["quantization"]["supported"] is True and "MXFP4" in features["quantization"]["detail"]
