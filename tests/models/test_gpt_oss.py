@@ -146,10 +146,12 @@ def test_dequantize_matches_transformers_layout():
         dequantize_mxfp4(blocks[..., :8], scales)
 
 
-def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path, tp):
     """A checkpoint whose experts are MXFP4 (gate_up_proj_blocks / _scales, down_proj_blocks /
-    _scales; quantization_config quant_method mxfp4) loads, dequantized: the tokens transformers
-    gives with those dequantized weights in float32."""
+    _scales; quantization_config quant_method mxfp4) loads, dequantized (at tensor_parallel_size=2
+    each rank keeps its half of every expert): the tokens transformers gives with those dequantized
+    weights in float32."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     hf = hf_model(seed=2)
@@ -174,9 +176,12 @@ def test_mxfp4_checkpoint_loads_and_matches_transformers(tmp_path):
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    llm = make_llm(tmp_path)
-    assert llm.engine.bundle.quantization is None          # dequantized at load: an unquantized run
-    assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS)] == expected
+    llm = make_llm(tmp_path, tensor_parallel_size=tp)
+    try:
+        assert llm.engine.bundle.quantization is None          # dequantized at load: an unquantized run
+        assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS)] == expected
+    finally:
+        llm.engine.executor.shutdown()
 
 
 def test_mxfp4_checkpoint_missing_scales_is_refused(tmp_path):
