@@ -30,7 +30,8 @@ DEEPSEEK_FEATURES: dict[str, tuple[bool, str]] = {
     **MOE_FEATURES,
     "tp": (True, "MLA heads (q, kv_b and o projections) split over ranks, each caching the whole latent; "
                  "experts as the other MoE families"),
-    "lora": (False, "not supported (MLA projections, experts)"),
+    "lora": (True, "q (q_proj, q_a_proj, q_b_proj), kv_a_proj_with_mqa, o_proj and the dense layers' gate/up/down; "
+                   "not kv_b_proj (MLA reads it as W_UK / W_UV), the experts or the shared experts"),
     "fast_path": (False, "decode steps run eagerly (the cpu native step does not express MLA's latent cache); "
                          "the attention backend decodes in the absorbed form"),
     "sliding_window": (False, "DeepSeek attends over the whole context"),
@@ -46,7 +47,7 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     features = DEEPSEEK_FEATURES
     # q/k/v are not fused here (q_proj is V2-Lite's whole query); only the dense MLPs' gate/up are.
     packed_modules_mapping = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
-    lora_plain_modules = ()
+    lora_plain_modules = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj")
 
     @classmethod
     def deinterleave_rope(cls, config: Any) -> bool:

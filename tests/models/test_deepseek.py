@@ -190,7 +190,8 @@ def test_features():
     for name in ARCHITECTURES.values():
         features = model_features(registered[name])
         assert features["fast_path"]["supported"] is False and "MLA" in features["fast_path"]["detail"]
-        assert features["lora"]["supported"] is False and features["tp"]["supported"] is True
+        assert features["lora"]["supported"] is True and "not kv_b_proj" in features["lora"]["detail"]
+        assert features["tp"]["supported"] is True
 
 
 @pytest.mark.parametrize("model_type,parallel", [("deepseek_v2", {"tensor_parallel_size": 2}),
@@ -224,3 +225,42 @@ def test_int8_and_int4_quantize_all_but_kv_b_proj(tmp_path):
         assert method in type(model.model.layers[1].mlp.quant_method).__name__.lower()      # the experts
         got = run_prompt(model, prompt)[-1]
         assert torch.nn.functional.cosine_similarity(dense, got, dim=0) > similarity
+
+
+def test_ngram_speculative_decoding(tmp_path):
+    """Drafted tokens verified in one step (a query of k + 1 tokens per sequence, attended in the
+    expanded form) give transformers' tokens; the tiny model's repetitive output accepts some."""
+    hf = save_family("deepseek_v2", tmp_path)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+             "disable_by_batch_size": None}
+    llm = make_llm(tmp_path, speculative_config=ngram)
+    assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, max_tokens=16)] == \
+        hf_greedy(hf, PROMPTS, max_tokens=16)
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_lora_on_attention_matches_peft(tmp_path, model_type):
+    """A PEFT adapter on the query, latent and output projections: peft's greedy tokens. One on
+    kv_b_proj (read as a matrix by the backend) or the shared experts is refused."""
+    from lora_helpers import make_adapter
+
+    from tokenmill.core.lora.request import LoRARequest
+    from tokenmill.core.sampling_params import SamplingParams
+    base = save_family(model_type, tmp_path / "base")
+    query = ["q_proj"] if FAMILIES[model_type]["q_lora_rank"] is None else ["q_a_proj", "q_b_proj"]
+    targets = [*query, "kv_a_proj_with_mqa", "o_proj"]
+    peft_model = make_adapter(str(tmp_path / "base"), str(tmp_path / "adapter"), seed=7, targets=targets)
+    prompts = PROMPTS[:2]
+    expected = hf_greedy(peft_model, prompts)
+    assert expected != hf_greedy(base, prompts)                      # the adapter changes the tokens
+    llm = make_llm(tmp_path / "base", enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    for i, refused in enumerate(["kv_b_proj", "shared_experts.down_proj"]):
+        make_adapter(str(tmp_path / "base"), str(tmp_path / f"bad{i}"), seed=8, targets=[refused])
+        with pytest.raises(ValueError, match="does not have as (a )?LoRA target"):
+            llm.generate([{"prompt_token_ids": prompts[0]}], params,
+                         lora_request=LoRARequest(f"bad{i}", 2 + i, str(tmp_path / f"bad{i}")), use_tqdm=False)
