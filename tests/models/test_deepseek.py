@@ -264,3 +264,21 @@ def test_lora_on_attention_matches_peft(tmp_path, model_type):
         with pytest.raises(ValueError, match="does not have as (a )?LoRA target"):
             llm.generate([{"prompt_token_ids": prompts[0]}], params,
                          lora_request=LoRARequest(f"bad{i}", 2 + i, str(tmp_path / f"bad{i}")), use_tqdm=False)
+
+
+def test_server_answers_as_transformers(tmp_path):
+    """`tokenmill serve DIR` through the openai SDK: transformers' greedy tokens."""
+    import openai
+
+    from tokenmill.entrypoints.openai.testing import ServerProcess
+    hf = save_family("deepseek_v3", tmp_path)
+    prompts = PROMPTS[:2]
+    expected = hf_greedy(hf, prompts)
+    args = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
+            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt, want in zip(prompts, expected):
+            out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
