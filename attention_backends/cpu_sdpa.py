@@ -192,9 +192,13 @@ class CpuSdpaAttention(AttentionBackend):
             q4 = q.view(nd, hkv, group, d)
             return self._decode_cascade(q4, kv_cache, step["cascade"], metadata, native).reshape(nd, self.num_heads, d)
         if native:
-            return cpu_paged_decode.paged_decode(q, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
-                                                 self.scale, self.sliding_window, k_scale=self.k_scale,
-                                                 v_scale=self.v_scale)
+            out = cpu_paged_decode.paged_decode(q, kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd],
+                                                self.scale, self.sliding_window, return_lse=self.sinks is not None,
+                                                k_scale=self.k_scale, v_scale=self.v_scale)
+            if self.sinks is None:
+                return out
+            # A sink adds e^sink to the denominator Z = e^lse: the output times Z / (Z + e^sink).
+            return out[0].mul_(torch.sigmoid(out[1] - self.sinks.float()).unsqueeze_(-1))
         kv = _gather_blocks(kv_cache, step["decode_index"], step)  # [2, nd*nblk, bs, Hkv, D]
         kv = kv.view(2, nd, -1, hkv, d)[:, :, :max_len]           # [2, nd, S, Hkv, D]
         if kv.dtype != q.dtype:
@@ -214,17 +218,17 @@ class CpuSdpaAttention(AttentionBackend):
 
     def native_decode_fn(self, kv_cache: torch.Tensor) -> Optional[int]:
         """paged_decode.cpp's write-and-attend entry for a float32, bf16 or fp8 cache (NATIVE_DECODE_ABI),
-        soft-capping included."""
-        if not kv_cache.is_contiguous() or cpu_paged_decode.available() is not None:
+        soft-capping included; none with sinks (the ABI has no sink logits)."""
+        if self.sinks is not None or not kv_cache.is_contiguous() or cpu_paged_decode.available() is not None:
             return None
         return cpu_paged_decode.native_attend_address(kv_cache.dtype)
 
     def _native_decode_ok(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The C++ kernel reads blocks in place (no per-step gather of every sequence's context, as
         the SDPA path does); it covers float32 queries over a float32, bf16 or fp8 cache, without
-        soft-capping."""
+        soft-capping (sinks: through its log-sum-exp)."""
         return (q.dtype == torch.float32 and kv_cache.dtype in cpu_paged_decode.KV_DTYPES
-                and not self._manual and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
+                and not self.logits_soft_cap and kv_cache.is_contiguous() and cpu_paged_decode.available() is None)
 
     def _decode_cascade(self, q4: torch.Tensor, kv_cache: torch.Tensor, plan: dict,
                         metadata: AttentionMetadata, native: bool) -> torch.Tensor:

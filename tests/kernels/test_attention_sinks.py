@@ -114,3 +114,27 @@ def test_attention_matrix_has_sinks_rows():
     results = grid.run_matrix(backends, cases, device="cpu")
     assert {r.status for r in results if r.backend == "cpu_sdpa"} == {"pass"}
     assert all("attention sinks not supported" in r.reasons for r in results if r.backend == "flash_attn")
+
+
+def test_cpu_sdpa_decodes_with_sinks_on_the_native_kernel(monkeypatch):
+    """Decodes keep the in-place C++ kernel: its log-sum-exp scales the output by Z / (Z + e^sink)."""
+    from tokenmill.attention_backends import cpu_paged_decode
+    if cpu_paged_decode.available() is not None:
+        pytest.skip(f"no native paged decode here: {cpu_paged_decode.available()}")
+    calls = []
+    real = cpu_paged_decode.paged_decode
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("return_lse"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_paged_decode, "paged_decode", counting)
+    md, q, k, v, cache, sinks = batch(seed=4)
+    nd = md.num_decodes
+    want = float64_attention(md, q, k, v, cache, sinks, 9)[:nd]
+    got = run(CpuSdpaAttention, md, q, k, v, cache, sinks, 9)[:nd]
+    assert calls == [True]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    backend = CpuSdpaAttention(HEADS, HEAD, SCALE, KV_HEADS)
+    backend.sinks = sinks
+    assert backend.native_decode_fn(cache) is None          # the fused step's ABI has no sinks
