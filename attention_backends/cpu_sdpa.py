@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_flash_prefill, cpu_paged_decode
-from .cpu_sdpa_plans import _attend_with_lse, _gather_blocks, _merge_by_lse, _step_cache
+from .cpu_sdpa_plans import _attend_with_lse, _gather_blocks, _merge_by_lse, _step_cache, _with_sinks
 from .interface import FP8_DTYPES, AttentionBackend, AttentionMetadata, from_kv, kv_round_trip, to_kv, write_kv
 
 
@@ -265,10 +265,11 @@ class CpuSdpaAttention(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_size
         group = self.num_heads // hkv
         window = self.sliding_window if (self.sliding_window or seq_len) < seq_len else None   # one that hides keys
-        if ctx == 0 and not self._manual:
-            flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype, window=window)
+        sinks = self.sinks is not None                 # the flash kernels' lse takes them into account
+        if ctx == 0 and not self.logits_soft_cap:
+            flash = self._flash(q, k_new, v_new, 0, metadata.causal, kv_cache.dtype, sinks, window=window)
             if flash is not None:
-                return flash
+                return _with_sinks(flash, self.sinks)
         if ctx == 0 and not self._manual and window is None:
             k, v = k_new, v_new
             if kv_cache.dtype != q.dtype:                          # read what the cache holds
@@ -286,9 +287,9 @@ class CpuSdpaAttention(AttentionBackend):
         first = max(0, ctx - window + 1) // bs if window is not None and metadata.causal else 0
         idx = metadata.block_tables[i, first:nblk].to(torch.long)
         kv = _gather_blocks(kv_cache, idx).view(2, (nblk - first) * bs, hkv, d)[:, :seq_len - first * bs]
-        flash = self._flash(q, kv[0], kv[1], ctx - first * bs, metadata.causal, kv_cache.dtype, window=window)
+        flash = self._flash(q, kv[0], kv[1], ctx - first * bs, metadata.causal, kv_cache.dtype, sinks, window=window)
         if flash is not None:
-            return flash
+            return _with_sinks(flash, self.sinks)
         if kv.dtype != q.dtype:
             kv = self._read(kv, q.dtype)
         q_pos = torch.arange(ctx, seq_len, device=q.device).unsqueeze(1)
@@ -316,7 +317,7 @@ class CpuSdpaAttention(AttentionBackend):
         for a bf16 cache, 2^-9 relative where the fp8 keys themselves carry 2^-4): faster than
         widening the cache to float32 for SDPA. A sliding `window` (one that hides keys here): only
         this library's tiles take it. None elsewhere."""
-        if not self._flash_reads(q, cache_dtype) or self._manual:
+        if not self._flash_reads(q, cache_dtype) or self.logits_soft_cap:
             return None
         if window is not None and (not causal or cpu_flash_prefill.torch_kernel_is_faster()):
             return None

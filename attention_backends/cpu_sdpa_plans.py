@@ -154,3 +154,13 @@ def _merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     w_a = torch.exp(lse_a - top).unsqueeze_(-1)
     w_b = torch.exp(lse_b - top).unsqueeze_(-1)
     return out_a.float().mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a.add_(w_b)).to(dtype)
+
+
+def _with_sinks(flash, sinks: Optional[torch.Tensor]):
+    """A flash kernel's result as attention with sinks: (out [T, H, D], lse [H, T]) -> out times
+    Z / (Z + e^sink) per head (Z = e^lse, the denominator without the sink); without sinks `flash`
+    is the output itself."""
+    if sinks is None:
+        return flash
+    out, lse = flash
+    return (out.float() * torch.sigmoid(lse.t() - sinks.float()).unsqueeze(-1)).to(out.dtype)

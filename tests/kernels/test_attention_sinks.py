@@ -78,11 +78,26 @@ def test_sinks_match_float64(cls, window, cap):
     assert not torch.allclose(run(cls, md, q, k, v, cache, None, window, cap).double(), want, atol=1e-3)
 
 
-def test_cpu_sdpa_sinks_bfloat16():
+@pytest.mark.parametrize("window", [None, 9])
+def test_cpu_sdpa_sinks_bfloat16(monkeypatch, window):
+    """bf16 over a bf16 cache: prompts on the flash kernels, asked for their log-sum-exp (the sinks'
+    share comes from it), decodes on the native kernel; float64's outputs within bf16's tolerance."""
+    from tokenmill.attention_backends import cpu_flash_prefill
+    asked = []
+
+    def spying(real):
+        def spy(*args, **kwargs):
+            asked.append(args[6] if len(args) > 6 else kwargs.get("return_lse"))
+            return real(*args, **kwargs)
+        return spy
+
+    for name in ("flash_prefill", "torch_flash"):
+        monkeypatch.setattr(cpu_flash_prefill, name, spying(getattr(cpu_flash_prefill, name)))
     md, q, k, v, cache, sinks = batch(seed=1, dtype=torch.bfloat16)
-    want = float64_attention(md, q, k, v, cache, sinks, 9)
-    torch.testing.assert_close(run(CpuSdpaAttention, md, q, k, v, cache, sinks, 9).double(), want,
+    want = float64_attention(md, q, k, v, cache, sinks, window)
+    torch.testing.assert_close(run(CpuSdpaAttention, md, q, k, v, cache, sinks, window).double(), want,
                                atol=2e-2, rtol=2e-2)
+    assert all(asked)                    # a flash call without its lse would have dropped the sinks
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
