@@ -22,8 +22,9 @@ their queries (cascade), merged with their own part by log-sum-exp.
 Per-step derived tensors (gather indices, masks, cascade plans: cpu_sdpa_plans.py) are built
 once and kept on the metadata object, so the 30-odd layers of one step share them.
 
-Logits soft-capping and attention sinks (GPT-OSS) have no SDPA equivalent, so they take a plain-matmul
-path with a float32 softmax (correct, slower). KV cache layout is the default one.
+Logits soft-capping has no SDPA equivalent, so it takes a plain-matmul path with a float32 softmax
+(correct, slower). Attention sinks (GPT-OSS) scale the native decode's and the flash kernels' outputs by
+their log-sum-exp (Z / (Z + e^sink)), elsewhere take that path too. KV cache layout is the default one.
 """
 from __future__ import annotations
 
