@@ -16,8 +16,8 @@ import torch
 from . import _probe
 from .cpu import TorchCompileProgram
 from .cuda_graphs import CudaGraphProgram
-from .interface import (Availability, DecodeProgram, MemoryProfiler, Platform, choose_decode_program,
-                        resolve_dtype)
+from .interface import (Availability, DecodeProgram, LayerKernels, MemoryProfiler, Platform,
+                        choose_decode_program, resolve_dtype)
 from .memory import GiB, MiB, TorchDeviceMemoryProfiler
 
 logger = logging.getLogger("tokenmill.platforms.cuda")
@@ -131,6 +131,14 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def layer_kernels(self, config) -> LayerKernels:
+        """The Triton mixture-of-experts op (platforms/triton_moe.py) when triton is installed."""
+        import importlib.util
+        if importlib.util.find_spec("triton") is None:
+            return LayerKernels()
+        from .triton_moe import fused_moe
+        return LayerKernels(moe=fused_moe)
 
     def lora_kernels(self):
         """Triton's SGMV shrink/expand (platforms/triton_lora.py) when triton is installed."""

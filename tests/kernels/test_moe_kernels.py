@@ -130,3 +130,52 @@ def test_rounding_mode_rounds_the_parameters_it_packs():
     hidden, weights, ids = routing("all_experts")
     got = NativeMoe()(hidden, layer.w13, layer.w2, weights, ids, prepared=prepared)
     assert_rows_close(got, moe_reference(hidden, layer.w13, layer.w2, weights, ids), 1.5e-2)
+
+
+# ---- the Triton op (platforms/triton_moe.py), under TRITON_INTERPRET=1 (tests/conftest.py) ------
+
+def triton_moe():
+    pytest.importorskip("triton")
+    from tokenmill.platforms import triton_moe as module
+    if not module._interpreting():
+        pytest.skip("TRITON_INTERPRET is not set: the Triton op runs on CPU tensors only under the interpreter")
+    return module.fused_moe
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_op_matches_the_reference(case):
+    fused_moe = triton_moe()
+    layer = experts()
+    hidden, weights, ids = routing(case)
+    if case == "prefill":
+        hidden, weights, ids = hidden[:40], weights[:40], ids[:40]     # the interpreter is slow
+    for activation in ("silu", "gelu", "gelu_tanh", "relu") if case == "all_experts" else ("silu",):
+        got = fused_moe(hidden, layer.w13, layer.w2, weights, ids, activation)
+        torch.testing.assert_close(got, moe_reference(hidden, layer.w13, layer.w2, weights, ids, activation),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_triton_op_takes_expert_biases_swiglu_oai_and_bf16():
+    fused_moe = triton_moe()
+    layer = experts()
+    hidden, weights, ids = routing("some_experts_idle")
+    g = torch.Generator().manual_seed(3)
+    b13, b2 = torch.randn(NUM_EXPERTS, 2 * INTER, generator=g), torch.randn(NUM_EXPERTS, HIDDEN, generator=g)
+    extra = dict(swiglu_alpha=1.702, swiglu_limit=0.5)            # a limit the values reach: clamping runs
+    for args in (dict(w13_bias=b13, w2_bias=b2), dict(w13_bias=b13, w2_bias=None)):   # tp rank > 0: no down bias
+        got = fused_moe(hidden, layer.w13, layer.w2, weights, ids, "swiglu_oai", **args, **extra)
+        want = moe_reference(hidden, layer.w13, layer.w2, weights, ids, "swiglu_oai", **args, **extra)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    w13, w2 = layer.w13.to(torch.bfloat16), layer.w2.to(torch.bfloat16)
+    got = fused_moe(hidden.to(torch.bfloat16), w13, w2, weights, ids)
+    assert got.dtype == torch.bfloat16
+    assert_rows_close(got, moe_reference(hidden.to(torch.bfloat16).float(), w13.float(), w2.float(), weights, ids),
+                      1e-2)
+    assert fused_moe(hidden, layer.w13, layer.w2, weights, ids, "silu", unknown=1) is NotImplemented
+
+
+def test_gpu_platforms_offer_the_triton_op():
+    pytest.importorskip("triton")
+    from tokenmill.platforms.cuda import CudaPlatform
+    from tokenmill.platforms.triton_moe import fused_moe
+    assert CudaPlatform().layer_kernels(None).moe is fused_moe
