@@ -1,7 +1,7 @@
 """What llama.cpp's converter (convert_hf_to_gguf.py; conversion/*.py in newer trees) writes for
-each dense family, read back: GGUF metadata -> HF config fields, GGUF block tensor names -> HF
-module names, and which of the converter's tensor transforms the loader undoes
-(core/loaders/gguf_loader.py applies them).
+each family (dense, and the mixture-of-experts Mixtral and Qwen2/3-MoE), read back: GGUF metadata
+-> HF config fields, GGUF block tensor names -> HF module names, and which of the converter's
+tensor transforms the loader undoes (core/loaders/gguf_loader.py applies them).
 
 Where the converter stores nothing and llama.cpp hardcodes a value (Gemma's attention scale, the
 sliding-window periods, SmolLM3's NoPE layers, Gemma 3's local rope base), the same value is used
@@ -105,6 +105,44 @@ def _qwen2(gguf: GGUFFile, kwargs: dict) -> None:
     if _window(gguf):
         kwargs["sliding_window"] = _window(gguf)
         kwargs["use_sliding_window"] = True
+
+
+def _experts(gguf: GGUFFile, kwargs: dict, count_key: str = "num_experts") -> None:
+    """Mixture-of-experts fields: expert_count, expert_used_count, the experts' own FFN length
+    (expert_feed_forward_length; absent: feed_forward_length, as Mixtral's files)."""
+    a = gguf.arch_value
+    kwargs[count_key] = int(a("expert_count"))
+    kwargs["num_experts_per_tok"] = int(a("expert_used_count"))
+    kwargs["moe_intermediate_size"] = int(a("expert_feed_forward_length") or kwargs["intermediate_size"])
+
+
+def _mixtral(gguf: GGUFFile) -> Optional[tuple[str, str]]:
+    # Mixtral files are "llama" with experts (expert_count).
+    return ("mixtral", "MixtralForCausalLM") if gguf.arch_value("expert_count") else None
+
+
+def _llama(gguf: GGUFFile, kwargs: dict) -> None:
+    _llama_like(gguf, kwargs)
+    if gguf.arch_value("expert_count"):
+        _experts(gguf, kwargs, "num_local_experts")
+        kwargs.pop("moe_intermediate_size")              # Mixtral's experts are intermediate_size wide
+
+
+def _qwen2moe(gguf: GGUFFile, kwargs: dict) -> None:
+    _qwen2(gguf, kwargs)
+    _experts(gguf, kwargs)
+    kwargs["shared_expert_intermediate_size"] = int(gguf.arch_value("expert_shared_feed_forward_length") or 0)
+    kwargs["norm_topk_prob"] = False           # llama.cpp: Qwen2-MoE's top-k weights are not renormalized
+    kwargs["mlp_only_layers"] = []             # nor are any of its layers dense
+    kwargs["decoder_sparse_step"] = 1
+
+
+def _qwen3moe(gguf: GGUFFile, kwargs: dict) -> None:
+    _llama_like(gguf, kwargs)
+    _experts(gguf, kwargs)
+    kwargs["norm_topk_prob"] = True            # llama.cpp renormalizes Qwen3-MoE's top-k weights
+    kwargs["mlp_only_layers"] = []
+    kwargs["decoder_sparse_step"] = 1
 
 
 def _gemma2(gguf: GGUFFile, kwargs: dict) -> None:
@@ -213,10 +251,12 @@ _POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw
 
 # GGUF general.architecture -> how to read it.
 FAMILIES: dict[str, GGUFFamily] = {
-    "llama": GGUFFamily("llama", "LlamaForCausalLM", _llama_like, permuted_qk=True, plain_config=True),
+    "llama": GGUFFamily("llama", "LlamaForCausalLM", _llama, permuted_qk=True, plain_config=True, variant=_mixtral),
     "mistral": GGUFFamily("mistral", "MistralForCausalLM", _llama_like, permuted_qk=True, plain_config=True),
     "qwen2": GGUFFamily("qwen2", "Qwen2ForCausalLM", _qwen2, plain_config=True),
     "qwen3": GGUFFamily("qwen3", "Qwen3ForCausalLM", _llama_like, plain_config=True),
+    "qwen2moe": GGUFFamily("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe),
+    "qwen3moe": GGUFFamily("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe),
     "gemma2": GGUFFamily("gemma2", "Gemma2ForCausalLM", _gemma2, _GEMMA_NAMES, norm_shift=1.0),
     "gemma3": GGUFFamily("gemma3_text", "Gemma3ForCausalLM", _gemma3, _GEMMA_NAMES, norm_shift=1.0),
     "phi3": GGUFFamily("phi3", "Phi3ForCausalLM", _phi3, fused_ffn_up=True),
@@ -249,7 +289,8 @@ def build_config(family: GGUFFamily, model_type: str, kwargs: dict[str, Any]) ->
     config modules costs seconds of start-up (they pull in torch.distributed.tensor through
     transformers' kernels integration) for nothing but defaults. Sliding windows, rope scaling and
     every other family keep the architecture's own class: its derived fields matter there."""
-    if family.plain_config and "sliding_window" not in kwargs and "rope_scaling" not in kwargs:
+    if (family.plain_config and "sliding_window" not in kwargs and "rope_scaling" not in kwargs
+            and "num_local_experts" not in kwargs):
         from transformers import PretrainedConfig
         config = PretrainedConfig(**kwargs)
         config.model_type = model_type

@@ -36,7 +36,20 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixture-of-experts blocks: the router, the shared expert and its gate (Qwen2-MoE); the stacked
+    # experts (ffn_*_exps, [E, rows, cols]) are cut into per-expert tensors (_split_experts).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts",
+    "ffn_up_exps": "mlp.experts",
+    "ffn_down_exps": "mlp.experts",
 }
+# Stacked experts -> each expert's HF tensor: (Qwen-MoE name, Mixtral name).
+_EXPERT_PARTS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                 "ffn_down_exps": ("down_proj", "w2")}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that are not weights of the HF network (rope factors become config values).
 _NON_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -140,6 +153,17 @@ def _split_rows(name: str, info: Any, data: np.ndarray, sizes: list[int],
     return out
 
 
+def _split_experts(name: str, info: Any, data: np.ndarray, hf_name: str, part: str) -> list[tuple[str, GGUFTensor]]:
+    """A stacked experts tensor [E, rows, cols] cut into E tensors [rows, cols] named
+    `{hf_name}.{e}.{part}.weight`. Each expert's blocks are whole rows of the stored bytes: exact in
+    every format, and a kept-quantized load keeps each expert's blocks as stored."""
+    num = info.shape[0]
+    by_expert = np.asarray(data).reshape(num, -1)
+    prefix = hf_name.rpartition(".")[0]
+    return [(f"{prefix}.{e}.{part}.weight", GGUFTensor(f"{name}[{e}]", by_expert[e], info.qtype, tuple(info.shape[1:])))
+            for e in range(num)]
+
+
 def _unshifted(name: str, info: Any, data: np.ndarray, shift: float) -> GGUFTensor:
     """A norm weight the converter stored as (1 + w) (Gemma): w again, as float32."""
     values = dequantize(data, info.qtype, info.shape).numpy() - np.float32(shift)
@@ -150,6 +174,10 @@ def _family_tensors(family: GGUFFamily, config: Any, name: str, info: Any,
                     data: np.ndarray) -> list[tuple[str, GGUFTensor]]:
     hf_name = hf_tensor_name(name.replace(".attn_qkv.", ".attn_q."), dict(family.block_names))
     kind = name.split(".")[-2] if name.startswith("blk.") else ""
+    if kind in _EXPERT_PARTS:
+        return _split_experts(name, info, data, hf_name, _EXPERT_PARTS[kind][config.model_type == "mixtral"])
+    if kind == "ffn_gate_inp_shexp" and len(info.shape) == 1:        # stored as a vector: HF's [1, hidden]
+        return [(hf_name, GGUFTensor(name, data, info.qtype, (1, info.shape[0])))]
     if family.norm_shift and name.endswith("norm.weight"):
         return [(hf_name, _unshifted(name, info, data, family.norm_shift))]
     if kind == "attn_qkv":
