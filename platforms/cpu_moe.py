@@ -1,7 +1,9 @@
 """The cpu platform's mixture-of-experts kernel ("moe" layer kernel, core/layers/moe.py's op): one
 native call per layer (platforms/csrc/cpu_decode_step.cpp fused_moe) over the fused decode step's
 weight layouts — bf16 pairs (dtype=bfloat16), 4-bit groups times int8 activations (Q4, the int4
-method's experts), int8 per-channel weights (S8, the int8 method's experts).
+method's experts), int8 per-channel weights (S8, the int8 method's experts), and GGUF blocks kept
+as stored (quantization="gguf": Q4_0/Q4_1/Q8_0/Q4_K/Q6_K experts as platforms/cpu_gguf_kernels.py
+packs them).
 
 The call sorts the (token, slot) pairs by expert, gathers each expert's rows together, and runs
 the gate/up matmul of every active expert, the activation, the down matmul, then each token's
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from tokenmill.quantization.interface import AffineGroups, ExpertForms, Int8Channels, WeightForm
+from tokenmill.quantization.interface import AffineGroups, ExpertForms, Int8Channels, PlatformPacked, WeightForm
 
 from . import cpu_decode_kernels as native
 
@@ -79,6 +81,16 @@ def _pack(weight: torch.Tensor, form: Optional[WeightForm]) -> Optional[tuple[st
     if isinstance(form, Int8Channels):
         parts = native.pack_s8(form.q.reshape(num * n, k), form.scale.reshape(num * n))
         return "s8", _per_expert(native.S8, n, k, num, parts), parts
+    if isinstance(form, PlatformPacked):
+        # GGUF blocks kept (quantization="gguf"): one PackedGroups per expert, as the platform's
+        # gguf kernels packed them (any of the quantized kinds; they all read int8 activations).
+        experts = list(form.parts)
+        if len(experts) != num or any(p.n != n or p.k != k or p.kind == native.BF16 for p in experts):
+            return None
+        linears = (native.NativeLinear * num)()
+        for e, packed in enumerate(experts):
+            linears[e] = packed.linear
+        return "gguf", linears, tuple(t for p in experts for t in p.tensors)
     if form is not None or weight.dtype != torch.bfloat16:
         return None
     packed = native.pack_bf16(weight.detach().reshape(num * n, k))
@@ -149,10 +161,11 @@ class NativeMoe:
 
 def moe_kernel(quantization: Optional[str], dtype: str, round_weights: bool = False) -> Optional[NativeMoe]:
     """The kernel for a model run with `quantization` and `dtype` (canonical names), where its experts
-    come in a form fused_moe multiplies: int4 / int8 experts (Q4 / S8), bf16 weights (`round_weights`:
+    come in a form fused_moe multiplies: int4 / int8 experts (Q4 / S8), GGUF blocks kept (the gguf
+    kernels' packed experts), bf16 weights (`round_weights`:
     float32 parameters the dense layers' kernel rounds to bf16 too). None elsewhere (float32 weights
     keep moe_reference: exact parity with transformers is promised there)."""
-    if quantization in ("int4", "int8"):
+    if quantization in ("int4", "int8", "gguf"):
         return NativeMoe() if NativeMoe.available("q4") is None else None
     if quantization is None and dtype == "bfloat16" and NativeMoe.available("bf16") is None:
         return NativeMoe(round_weights=round_weights)

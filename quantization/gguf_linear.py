@@ -30,7 +30,7 @@ from torch import nn
 
 from . import gguf_blocks
 from .gguf import GGUFTensor, check_supported
-from .interface import FormT, PlatformPacked, QuantizationMethod
+from .interface import ExpertForms, ExpertsMethod, FormT, PlatformPacked, QuantizationMethod
 
 TILE_ELEMENTS = 1 << 20      # a dequantized tile: at most this many floats (4 MiB) at a time
 
@@ -187,3 +187,81 @@ class GGUFLinearMethod(QuantizationMethod):
 
     def lm_head_method(self) -> Optional[QuantizationMethod]:
         return self      # the loader keeps the head (or the tied embedding) stored: see keep_stored
+
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        return GGUFExperts(self)
+
+
+class GGUFExperts(ExpertsMethod):
+    """A mixture-of-experts layer's experts kept in the file's blocks: each expert's gate and up
+    (one part when they share a format) and down built as a linear layer's parts (natively packed
+    where the platform's kernels take them, else the stored rows). `forms`: PlatformPacked lists of
+    the experts' packed parts when every one is native (the platform's moe kernel multiplies them in
+    place); `weights`: the experts dequantized, for the torch op (no such kernel here)."""
+    name = "gguf"
+
+    def __init__(self, linear: GGUFLinearMethod) -> None:
+        super().__init__()
+        self.linear = linear
+        self.kernels = linear.kernels
+
+    def create_weights(self, layer: nn.Module) -> None:
+        for name in ("w13", "w2"):
+            old = getattr(layer, name)
+            param = nn.Parameter(torch.zeros(1, dtype=old.dtype).expand(old.shape), requires_grad=False)
+            param.loads_stored = True
+            param.checkpoint_shards = old.checkpoint_shards
+            param.weight_loader = partial(self._load_stored, layer)
+            setattr(layer, name, param)
+        layer.gguf_experts = {}
+
+    @staticmethod
+    def _load_stored(layer: nn.Module, param: nn.Parameter, stored: Any, shard_id: Any = None) -> None:
+        if not isinstance(stored, GGUFTensor) or shard_id is None:
+            raise ValueError("quantization 'gguf' keeps GGUF blocks as stored: one expert's tensor at a time "
+                             "from a GGUF file")
+        expert, part = shard_id
+        rows = param.shape[1] // 2 if part in ("gate", "up") else param.shape[1]
+        if tuple(stored.shape) != (rows, param.shape[2]):
+            raise ValueError(f"shape mismatch (expert {expert} {part}): checkpoint {tuple(stored.shape)} "
+                             f"vs model {(rows, param.shape[2])}")
+        check_supported(stored.qtype, stored.name)
+        layer.gguf_experts[(expert, part)] = stored
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        stored = layer.gguf_experts
+        num = layer.w13.shape[0]
+        layer.gguf_w13 = [self._parts([stored[(e, "gate")], stored[(e, "up")]]) for e in range(num)]
+        layer.gguf_w2 = [self._parts([stored[(e, "down")]]) for e in range(num)]
+        for name in ("gguf_w13", "gguf_w2"):
+            for e, parts in enumerate(getattr(layer, name)):
+                for i, part in enumerate(parts):
+                    for j, t in enumerate(part.tensors):     # buffers: counted with the model's memory
+                        layer.register_buffer(f"{name}_{e}_{i}_{j}", t, persistent=False)
+        layer.gguf_experts = {}
+
+    def _parts(self, tensors: list[GGUFTensor]) -> list[StoredPart]:
+        if tensors[0].qtype == tensors[-1].qtype:
+            return [self.linear._build_part(tensors, tensors[0].shape[1])]
+        return [self.linear._build_part([t], t.shape[1]) for t in tensors]
+
+    def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
+        def packed(experts: list[list[StoredPart]]) -> Optional[PlatformPacked]:
+            if not all(len(parts) == 1 and parts[0].native for parts in experts):
+                return None
+            return PlatformPacked([parts[0].packed for parts in experts])
+        w13, w2 = packed(layer.gguf_w13), packed(layer.gguf_w2)
+        return ExpertForms(w13, w2) if w13 is not None and w2 is not None else None
+
+    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert dequantized on each call (a platform without a moe kernel for these blocks)."""
+        def dense(experts: list[list[StoredPart]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.stack([torch.cat([self._dense(p) for p in parts]) for parts in experts]).to(dtype)
+        return dense(layer.gguf_w13, layer.w13.dtype), dense(layer.gguf_w2, layer.w2.dtype)
+
+    def _dense(self, part: StoredPart) -> torch.Tensor:
+        if part.native:
+            return self.kernels.dequantize_rows(part.packed, torch.arange(part.n))
+        if part.qtype in gguf_blocks.FLOAT:
+            return part.tensors[0].float()
+        return gguf_blocks.dequantize_rows(part.qtype, part.tensors[0], part.k)

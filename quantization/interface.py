@@ -108,16 +108,26 @@ class ExpertForms:
 
 class ExpertsMethod:
     """How a mixture-of-experts layer keeps its stacked experts (vLLM's fused-MoE method idea). The
-    layer's `w13` / `w2` parameters always hold the values the torch op multiplies by (dequantized
-    where the method quantizes); `forms` offers what a platform's moe kernel packs from. This
-    default keeps them dense."""
+    layer's `w13` / `w2` parameters hold the values the torch op multiplies by (dequantized where the
+    method quantizes; a method keeping the checkpoint's blocks returns them from `weights`); `forms`
+    offers what a platform's moe kernel packs from. This default keeps them dense."""
     name: ClassVar[str] = "unquantized"
 
     def __init__(self) -> None:
         self.kernels = QuantKernels()
 
+    def create_weights(self, layer: nn.Module) -> None:
+        """After the layer made its dense `w13` / `w2` parameters (each with its weight_loader and
+        checkpoint_shards): replace them where the method loads the checkpoint's own form."""
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Once every expert is loaded: quantize `layer.w13` / `layer.w2` (the layer's parameters)."""
+
+    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense (w13, w2) the torch op multiplies by when no platform kernel runs the layer."""
+        w13, w2 = layer.w13, layer.w2
+        assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
+        return w13, w2
 
     def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
         """The layer's experts as this method keeps them; None: dense."""

@@ -224,6 +224,7 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
             # What a complete checkpoint fills (core/loaders/weights.py checks): each expert's tensors.
             param.checkpoint_shards = [(e, part) for e in range(num_experts) for part in parts]
+        self.quant_method.create_weights(self)        # (GGUF blocks kept: loaded as stored instead)
         self.w13_bias: Optional[nn.Parameter] = None
         self.w2_bias: Optional[nn.Parameter] = None
         if expert_bias:           # loaded whole (shard id None), this rank's part of w13_bias
@@ -303,7 +304,8 @@ class FusedMoE(nn.Module):
             out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra, **prepared)
             if out is not NotImplemented:
                 return out
-        return moe_reference(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra)
+        w13, w2 = self.quant_method.weights(self)
+        return moe_reference(hidden, w13, w2, topk_weights, topk_ids, self.activation, **extra)
 
     def _extra_args(self) -> dict[str, Any]:
         """The op's keyword arguments beyond the plain gated experts (none for those): the biases

@@ -22,8 +22,9 @@ MOE_FEATURES: dict[str, tuple[bool, str]] = {
     "tp": (True, "heads, each expert's and the shared expert's intermediate size split over ranks "
                  "(every rank holds every expert)"),
     "lora": (False, "experts: not supported"),
-    "quantization": (True, "int4 / int8 quantize the experts too (the cpu native MoE op runs them); other methods "
-                           "and quantized checkpoints are refused"),
+    "quantization": (True, "int4 / int8 quantize the experts too, GGUF files keep their experts' blocks "
+                           "(quantization='gguf'); the cpu native MoE op runs them; other methods and quantized "
+                           "HF checkpoints are refused"),
     "fast_path": (False, "decode steps run MoE layers eagerly (the cpu native step does not express expert "
                          "FFNs); dense layers of a model that has some run natively between them"),
 }

@@ -2,7 +2,8 @@
 qwen2moe (a shared expert and its gate), qwen3moe, and Mixtral as "llama" with expert_count; the
 experts stacked per layer as blk.N.ffn_{gate,up,down}_exps [E, rows, cols], the router ffn_gate_inp
 (float32, as the converter keeps it). F32 files give transformers' float32 greedy tokens; Q8_0
-files, dequantized at load, logits close to them."""
+files, dequantized at load, logits close to them; kept quantized (quantization="gguf"), the
+dequantized file's logits."""
 from __future__ import annotations
 
 import gguf
@@ -138,7 +139,33 @@ def test_q8_0_dequantized_close_to_transformers(tmp_path, case):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
 
 
-def test_kept_quantized_experts_are_refused_by_name(tmp_path):
-    _, path, hf_dir = _convert(tmp_path, "qwen3_moe", Q.Q8_0)
-    with pytest.raises(ValueError, match="quantization 'gguf' does not cover mixture-of-experts"):
-        make_llm(path, tokenizer=hf_dir, quantization="gguf")
+@pytest.mark.parametrize("case,qtype", [("qwen3_moe", Q.Q8_0), ("qwen2_moe", Q.Q4_0), ("mixtral", Q.Q4_1)])
+def test_kept_quantized(tmp_path, case, qtype):
+    """quantization="gguf": each expert's blocks kept as stored (cut from the stacked tensors by whole
+    rows). Without native kernels the torch op on the experts dequantized: the dequantized file's
+    logits; with the cpu platform's, the native MoE op over the packed experts, to their int8
+    activation rounding."""
+    from tokenmill.platforms.cpu import CpuPlatform
+    from tokenmill.platforms.cpu_moe import NativeMoe
+    from tokenmill.platforms.interface import LayerKernels, QuantKernels
+
+    class TiledCpu(CpuPlatform):
+        def quantization_kernels(self, name):
+            return QuantKernels()
+
+        def layer_kernels(self, config):
+            return LayerKernels()
+
+    _, path, hf_dir = _convert(tmp_path, case, qtype)
+    want = run_prompt(load_for_test(path, tokenizer=hf_dir).model, PROMPTS[0])
+    for platform, bound in ((TiledCpu(), 1e-5), (CpuPlatform(), 0.04)):
+        kept = load_for_test(path, platform=platform, quantization="gguf", tokenizer=hf_dir).model
+        layers = [m for m in kept.modules() if type(m).__name__ == "FusedMoE"]
+        assert layers and all(len(m.gguf_w13) == 8 and m.w13.untyped_storage().nbytes() <= 4 for m in layers)
+        if isinstance(platform, TiledCpu):
+            assert all(m._kernel is None for m in layers)
+        elif NativeMoe.available() is None:
+            assert all(m._prepared is not None and m._prepared.weight_format == "gguf" for m in layers)
+        got = run_prompt(kept, PROMPTS[0])
+        assert ((got - want).norm() / want.norm()).item() < bound
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
