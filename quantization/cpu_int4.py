@@ -252,14 +252,23 @@ def int8_matmul_per_token(x: torch.Tensor, int8_weight: torch.Tensor, channel_sc
 
 # ---- Mixture-of-experts layers ---------------------------------------------------------------
 # Their stacked experts (w13 [E, 2I, H], w2 [E, H, I]) load dense like any checkpoint's; once loaded
-# each matrix is quantized row by row over all its experts at once, the parameters overwritten with
-# the dequantized values (what the torch op, moe_reference, multiplies by) and the quantized form
-# kept for a platform's moe kernel (ExpertsMethod.forms). A matrix outside the blocks (rows not a
-# multiple of 16, inputs not of 32) leaves both dense, as such a linear layer stays dense.
+# each matrix is quantized row by row over all its experts at once and only the quantized form is
+# kept (the parameters become one-element placeholders of their shape: no float copy of the
+# experts, the bulk of a MoE model): a platform's moe kernel packs it (ExpertsMethod.forms), and
+# the torch op, where no kernel runs the layer, multiplies it dequantized per call (`weights`). A
+# matrix outside the blocks (rows not a multiple of 16, inputs not of 32) leaves both dense, as
+# such a linear layer stays dense.
 
 
 def experts_fit(layer: nn.Module) -> bool:
     return all(p.shape[1] % 16 == 0 and p.shape[2] % 32 == 0 for p in (layer.w13, layer.w2))
+
+
+def drop_dense_experts(layer: nn.Module) -> None:
+    """Replace `w13` / `w2` by placeholders of their shape and dtype over one element of storage."""
+    for name in ("w13", "w2"):
+        old = getattr(layer, name)
+        setattr(layer, name, nn.Parameter(torch.zeros(1, dtype=old.dtype).expand(old.shape), requires_grad=False))
 
 
 class _Int4Matrix(NamedTuple):
@@ -296,9 +305,9 @@ class Int4Experts(ExpertsMethod):
             param = getattr(layer, name)
             num, n, k = param.shape
             q, scale, low = quantize_int4_rows(param.detach().reshape(num * n, k))
-            param.data.copy_(CpuInt4Quantization.dequantize(q, scale, low).reshape(num, n, k).to(param.dtype))
             kept[name] = _Int4Matrix(q[:, 0::2] | (q[:, 1::2] << 4), scale, low)
         layer.int4_experts = kept
+        drop_dense_experts(layer)
 
     def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
         kept = getattr(layer, "int4_experts", None)
@@ -309,3 +318,14 @@ class Int4Experts(ExpertsMethod):
             q = torch.stack((m.nibbles & 0x0F, m.nibbles >> 4), dim=-1).reshape(m.nibbles.shape[0], -1)
             return AffineGroups(q, m.scale, m.low, CpuInt4Quantization.group_size)
         return ExpertForms(form(kept["w13"]), form(kept["w2"]))
+
+    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        forms = self.forms(layer)
+        if forms is None:
+            return super().weights(layer)
+        out = []
+        for param, form in ((layer.w13, forms.w13), (layer.w2, forms.w2)):
+            assert isinstance(form, AffineGroups)
+            values = CpuInt4Quantization.dequantize(form.q, form.scale, form.low)
+            out.append(values.reshape(param.shape).to(param.dtype))
+        return out[0], out[1]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_int4 import experts_fit, int8_matmul_per_token, quantize_int8_per_channel
+from .cpu_int4 import drop_dense_experts, experts_fit, int8_matmul_per_token, quantize_int8_per_channel
 from .interface import ExpertForms, ExpertsMethod, FormT, Int8Channels, QuantKernels
 from .unquantized import UnquantizedLinearMethod
 
@@ -85,7 +85,7 @@ class Int8Quantization(UnquantizedLinearMethod):
 
 class Int8Experts(ExpertsMethod):
     """quantization="int8" on experts (cpu_int4.py's notes on experts): each expert's rows in int8
-    with one scale per output row, as Int8Quantization's linear layers."""
+    with one scale per output row, as Int8Quantization's linear layers; no float copy kept."""
     name = "int8"
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -97,11 +97,18 @@ class Int8Experts(ExpertsMethod):
             param = getattr(layer, name)
             num, n, k = param.shape
             q_t, scale = quantize_int8_per_channel(param.detach().float().reshape(num * n, k))
-            q = q_t.t().contiguous()
-            param.data.copy_((q.float() * scale[:, None]).reshape(num, n, k).to(param.dtype))
-            kept[name] = Int8Channels(q, scale)
+            kept[name] = Int8Channels(q_t.t().contiguous(), scale)
         layer.int8_experts = kept
+        drop_dense_experts(layer)
 
     def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
         kept = getattr(layer, "int8_experts", None)
         return None if kept is None else ExpertForms(kept["w13"], kept["w2"])
+
+    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = getattr(layer, "int8_experts", None)
+        if kept is None:
+            return super().weights(layer)
+        w13, w2 = ((kept[name].q.float() * kept[name].scale[:, None]).reshape(param.shape).to(param.dtype)
+                   for name, param in (("w13", layer.w13), ("w2", layer.w2)))
+        return w13, w2

@@ -70,8 +70,9 @@ def test_native_op_matches_the_reference(case, fmt):
         tol = 1.5e-2        # the reference rounds each op to bf16; the kernel sums in float32
     else:
         method = Int8Experts() if fmt == "int8" else Int4Experts()
-        method.process_weights_after_loading(layer)         # the parameters now hold the dequantized grid
-        forms, w13, w2 = method.forms(layer), layer.w13, layer.w2
+        method.process_weights_after_loading(layer)
+        assert layer.w13.untyped_storage().nbytes() <= 4             # no float copy kept
+        forms, (w13, w2) = method.forms(layer), method.weights(layer)     # the dequantized grid
         tol = 4e-2          # activations quantized to int8 per 32 inputs before each matmul
     prepared = kernel.prepare(w13, w2, forms)
     assert prepared is not None and prepared.weight_format == {"bf16": "bf16", "int8": "s8", "int4": "q4"}[fmt]
@@ -88,6 +89,7 @@ def test_native_op_result_does_not_depend_on_the_batch():
     layer = experts()
     Int4Experts().process_weights_after_loading(layer)
     prepared = kernel.prepare(layer.w13, layer.w2, Int4Experts().forms(layer))
+    assert prepared is not None
     hidden, weights, ids = routing("prefill")
     whole = kernel(hidden, layer.w13, layer.w2, weights, ids, prepared=prepared)
     alone = torch.cat([kernel(hidden[i:i + 1], layer.w13, layer.w2, weights[i:i + 1], ids[i:i + 1],
