@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_int4 import drop_dense_experts
 from .int4_groups import add_bias, add_param, per_shard_loader, shard_loader
+from .interface import ExpertsMethod
 from .unquantized import UnquantizedLinearMethod
 
 FP8 = torch.float8_e4m3fn
@@ -113,9 +115,39 @@ class Fp8Quantization(UnquantizedLinearMethod):
             layer.register_buffer("fp8_input_scale", layer.input_scale.data.max().reshape(1), persistent=False)
             delattr(layer, "input_scale")
 
+    def experts_method(self) -> Optional[ExpertsMethod]:
+        """--quantization fp8 on a float checkpoint: the experts too (Fp8Experts). An FP8
+        checkpoint's stored experts are not read yet (its MoE layers refuse the method)."""
+        return None if self.serialized else Fp8Experts()
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         # Serialized with static activation scales: FP8 activations as the checkpoint was calibrated;
         # otherwise W8A16 (the CPU has no FP8 GEMM to gain from rounding activations).
         if self.serialized and self.static_activations:
             return fp8_linear(layer, x, bias, True, layer.fp8_input_scale)
         return fp8_linear(layer, x, bias)
+
+
+class Fp8Experts(ExpertsMethod):
+    """Run-time fp8 on a mixture-of-experts layer's experts (cpu_int4.py's notes on experts): each
+    expert's rows float8_e4m3fn with one float32 scale per output row, as the fp8 linear layers keep
+    theirs; no float copy kept. No platform kernel multiplies fp8 experts here: the torch op takes
+    them dequantized per call (W8A16, as the fp8 linear layers)."""
+    name = "fp8"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        kept = {}
+        for name in ("w13", "w2"):
+            param = getattr(layer, name)
+            num, n, k = param.shape
+            kept[name] = quantize_fp8_per_channel(param.detach().reshape(num * n, k))
+        layer.fp8_experts = kept
+        drop_dense_experts(layer)
+
+    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = getattr(layer, "fp8_experts", None)
+        if kept is None:
+            return super().weights(layer)
+        w13, w2 = ((kept[name][0].float() * kept[name][1][:, None]).reshape(param.shape).to(param.dtype)
+                   for name, param in (("w13", layer.w13), ("w2", layer.w2)))
+        return w13, w2

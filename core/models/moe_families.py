@@ -23,8 +23,8 @@ MOE_FEATURES: dict[str, tuple[bool, str]] = {
                  "(every rank holds every expert)"),
     "lora": (False, "experts: not supported"),
     "quantization": (True, "int4 / int8 quantize the experts too, GGUF files keep their experts' blocks "
-                           "(quantization='gguf'); the cpu native MoE op runs them; other methods and quantized "
-                           "HF checkpoints are refused"),
+                           "(quantization='gguf'): the cpu native MoE op runs them; fp8 keeps them float8 for the "
+                           "torch op; quantized HF checkpoints' experts are refused"),
     "fast_path": (False, "decode steps run MoE layers eagerly (the cpu native step does not express expert "
                          "FFNs); dense layers of a model that has some run natively between them"),
 }
