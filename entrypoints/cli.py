@@ -28,6 +28,7 @@ BENCH_MODULES = [
     "tokenmill.entrypoints.bench_serve",
     "tokenmill.entrypoints.bench_attention",
     "tokenmill.entrypoints.bench_gemm",
+    "tokenmill.entrypoints.bench_moe",
     "tokenmill.entrypoints.bench_embed",
     "tokenmill.entrypoints.bench_report",
 ]
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = _import_optional(name)
         if module is not None:
             module.add_subparser(subparsers)
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm, embed; report")
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, attention, gemm, moe, embed; report")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     for name in BENCH_MODULES:
         module = _import_optional(name)
