@@ -13,9 +13,9 @@ read once per call however many tokens picked it, and the work is shared among t
 
 The kernel packs a layer's experts once (`prepare`, when the layer takes the kernel) from its
 dense weights (bf16) or the quantized forms its experts method keeps (quantization/interface.py ExpertsMethod.forms).
-Inputs it does not take (other activations, expert biases, shapes outside the 16-row / 32-input
-blocks, float32 weights it was not told to round) return NotImplemented: the layer runs
-moe_reference.
+Expert biases and GPT-OSS's clamped SwiGLU are taken too. Inputs it does not take (other
+activations or arguments, shapes outside the 16-row / 32-input blocks, float32 weights it was not
+told to round) return NotImplemented: the layer runs moe_reference.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tokenmill.quantization.interface import AffineGroups, ExpertForms, Int8Chan
 
 from . import cpu_decode_kernels as native
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2, "relu": 3, "swiglu_oai": 4}
 MAX_TOP_K = 64          # fused_moe's per-token slot buffer
 
 
@@ -36,7 +36,8 @@ class NativeMoeLayer(ctypes.Structure):
     """platforms/csrc/cpu_decode_step.cpp FusedMoeLayer."""
     _fields_ = [("num_experts", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
                 ("activation", ctypes.c_int64), ("w13", ctypes.POINTER(native.NativeLinear)),
-                ("w2", ctypes.POINTER(native.NativeLinear))]
+                ("w2", ctypes.POINTER(native.NativeLinear)), ("b13", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
 
 
 class PreparedMoe(NamedTuple):
@@ -135,11 +136,12 @@ class NativeMoe:
         return PreparedMoe(up[1], down[1], up[2] + down[2], up[0] if up[0] == down[0] else f"{up[0]}+{down[0]}")
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor, activation: str = "silu", prepared: Optional[PreparedMoe] = None,
-                 **extra: Any) -> Any:
-        """moe_reference's op on the packed experts; NotImplemented for what it does not take."""
-        if (prepared is None or activation not in ACTIVATIONS
-                or any(value is not None for key, value in extra.items() if not key.startswith("swiglu_"))
+                 topk_ids: torch.Tensor, activation: str = "silu", prepared: Optional[PreparedMoe] = None, *,
+                 w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, **extra: Any) -> Any:
+        """moe_reference's op on the packed experts (expert biases and "swiglu_oai" included);
+        NotImplemented for what it does not take."""
+        if (prepared is None or activation not in ACTIVATIONS or extra
                 or hidden.dim() != 2 or hidden.dtype not in (torch.float32, torch.bfloat16)
                 or topk_ids.dim() != 2 or topk_ids.shape[1] > MAX_TOP_K or topk_ids.shape[0] != hidden.shape[0]):
             return NotImplemented
@@ -147,12 +149,17 @@ class NativeMoe:
         num, inter = w13.shape[0], w2.shape[2]
         if size != w13.shape[2] or w13.shape[1] != 2 * inter:
             return NotImplemented
+        b13 = w13_bias.float().contiguous() if w13_bias is not None else None      # kept alive for the call
+        b2 = w2_bias.float().contiguous() if w2_bias is not None else None
+        if (b13 is not None and b13.shape != (num, 2 * inter)) or (b2 is not None and b2.shape != (num, size)):
+            return NotImplemented
         x = hidden.float().contiguous()
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.float().contiguous()
         out = torch.empty((tokens, size), dtype=torch.float32)
         layer = NativeMoeLayer(num_experts=num, hidden=size, inter=inter, activation=ACTIVATIONS[activation],
-                               w13=prepared.w13, w2=prepared.w2)
+                               w13=prepared.w13, w2=prepared.w2, b13=b13.data_ptr() if b13 is not None else None,
+                               b2=b2.data_ptr() if b2 is not None else None, alpha=swiglu_alpha, limit=swiglu_limit)
         if _library().fused_moe(ctypes.byref(layer), x.data_ptr(), tokens, ids.shape[1], ids.data_ptr(),
                                 weights.data_ptr(), out.data_ptr()):
             raise ValueError(f"topk_ids: an expert id outside [0, {num})")

@@ -879,9 +879,18 @@ void moe_matmul(const FusedLinear* experts, const std::vector<int64_t>& active, 
   }
 }
 
-// a = act(gate) * up over n values: 0 SiLU, 1 GELU (tanh), 2 GELU (erf), 3 ReLU.
-void moe_activate(int64_t kind, const float* gate, const float* up, int64_t n, float* a) {
+// a = act(gate) * up over n values: 0 SiLU, 1 GELU (tanh), 2 GELU (erf), 3 ReLU; 4 GPT-OSS's
+// clamped SwiGLU, (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+void moe_activate(int64_t kind, const float* gate, const float* up, int64_t n, float* a, float alpha, float limit) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f, kInvSqrt2 = 0.7071067811865476f;
+  if (kind == 4) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = std::min(gate[i], limit), u = std::min(std::max(up[i], -limit), limit);
+      a[i] = (u + 1.0f) * (g / (1.0f + std::exp(-alpha * g)));
+    }
+    return;
+  }
   if (kind == 0) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) a[i] = gate[i] / (1.0f + std::exp(-gate[i]));
@@ -902,7 +911,7 @@ void moe_activate(int64_t kind, const float* gate, const float* up, int64_t n, f
 }
 
 struct MoeScratch {
-  std::vector<int64_t> start, fill, active, row_of_pair, token_of_row;
+  std::vector<int64_t> start, fill, active, row_of_pair, token_of_row, expert_of_row;
   std::vector<float> x, gate_up, act, down;
   QuantizedInput in, in_down;
 };
@@ -976,6 +985,9 @@ struct FusedMoeLayer {
   int64_t num_experts, hidden, inter, activation;   // activation: moe_activate's codes
   const FusedLinear* w13;
   const FusedLinear* w2;
+  const float* b13;         // [num_experts, 2 * inter] gate then up biases, or null (GPT-OSS has them)
+  const float* b2;          // [num_experts, hidden], or null
+  float alpha, limit;       // activation 4's constants
 };
 
 // out [tokens, hidden] float32 = for each token, the sum over its top_k slots j of
@@ -1004,10 +1016,12 @@ int64_t fused_moe(const FusedMoeLayer* m, const float* x, int64_t tokens, int64_
   s.fill.assign(s.start.begin(), s.start.end() - 1);
   s.row_of_pair.resize(pairs);
   s.token_of_row.resize(pairs);
+  s.expert_of_row.resize(pairs);
   for (int64_t p = 0; p < pairs; ++p) {
     const int64_t row = s.fill[ids[p]]++;
     s.row_of_pair[p] = row;
     s.token_of_row[row] = p / top_k;
+    s.expert_of_row[row] = ids[p];
   }
   s.x.resize(pairs * h);
   s.gate_up.resize(pairs * 2 * inter);
@@ -1018,11 +1032,19 @@ int64_t fused_moe(const FusedMoeLayer* m, const float* x, int64_t tokens, int64_
   for (int64_t r = 0; r < pairs; ++r) std::memcpy(xs + r * h, x + s.token_of_row[r] * h, h * sizeof(float));
   moe_input(m->w13[s.active[0]], xs, pairs, s.in);
   moe_matmul(m->w13, s.active, s.start, s.in, s.gate_up.data());
-  const float* gate_up = s.gate_up.data();
+  float* gate_up = s.gate_up.data();
   float* act = s.act.data();
+  const int64_t* expert_of_row = s.expert_of_row.data();
 #pragma omp parallel for schedule(static) if (pairs >= kParallelRows)
-  for (int64_t r = 0; r < pairs; ++r)
-    moe_activate(m->activation, gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, inter, act + r * inter);
+  for (int64_t r = 0; r < pairs; ++r) {
+    float* row = gate_up + r * 2 * inter;
+    if (m->b13) {
+      const float* bias = m->b13 + expert_of_row[r] * 2 * inter;
+#pragma omp simd
+      for (int64_t c = 0; c < 2 * inter; ++c) row[c] += bias[c];
+    }
+    moe_activate(m->activation, row, row + inter, inter, act + r * inter, m->alpha, m->limit);
+  }
   moe_input(m->w2[s.active[0]], act, pairs, s.in_down);
   moe_matmul(m->w2, s.active, s.start, s.in_down, s.down.data());
   const float* down = s.down.data();
@@ -1040,8 +1062,14 @@ int64_t fused_moe(const FusedMoeLayer* m, const float* x, int64_t tokens, int64_
       const int64_t p = t * top_k + order[jj];
       const float wt = weights[p];
       const float* d = down + s.row_of_pair[p] * h;
+      if (m->b2) {
+        const float* bias = m->b2 + ids[p] * h;
 #pragma omp simd
-      for (int64_t c = 0; c < h; ++c) o[c] += wt * d[c];
+        for (int64_t c = 0; c < h; ++c) o[c] += wt * (d[c] + bias[c]);
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < h; ++c) o[c] += wt * d[c];
+      }
     }
   }
   return 0;

@@ -106,9 +106,8 @@ def test_native_op_declines_what_it_does_not_do():
     prepared = kernel.prepare(layer.w13.to(torch.bfloat16), layer.w2.to(torch.bfloat16), None)
     w13, w2 = layer.w13.to(torch.bfloat16), layer.w2.to(torch.bfloat16)
     assert kernel(hidden, w13, w2, weights, ids, "silu", prepared=None) is NotImplemented
-    assert kernel(hidden, w13, w2, weights, ids, "swiglu_oai", prepared=prepared, swiglu_alpha=1.702,
-                  swiglu_limit=7.0) is NotImplemented
-    bias = torch.zeros(NUM_EXPERTS, 2 * INTER)
+    assert kernel(hidden, w13, w2, weights, ids, "silu", prepared=prepared, unknown=1) is NotImplemented
+    bias = torch.zeros(NUM_EXPERTS, INTER)                     # not [E, 2 * I]
     assert kernel(hidden, w13, w2, weights, ids, "silu", prepared=prepared, w13_bias=bias) is NotImplemented
     with pytest.raises(ValueError, match="topk_ids"):
         kernel(hidden, w13, w2, weights, torch.full_like(ids, NUM_EXPERTS), "silu", prepared=prepared)
@@ -118,6 +117,32 @@ def test_native_op_declines_what_it_does_not_do():
     method = Int4Experts()
     method.process_weights_after_loading(odd)
     assert method.forms(odd) is None                   # kept dense: the torch op runs it
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_native_op_takes_expert_biases_and_swiglu_oai(fmt):
+    """GPT-OSS's experts: biases on gate/up and down (the down bias alone absent at tensor-parallel
+    ranks > 0) and the clamped SwiGLU, with a limit the values reach."""
+    kernel = native_moe()
+    if fmt == "bf16" and kernel.available("bf16") is not None:
+        pytest.skip(kernel.available("bf16"))
+    layer = experts()
+    hidden, weights, ids = routing("some_experts_idle")
+    g = torch.Generator().manual_seed(3)
+    b13, b2 = torch.randn(NUM_EXPERTS, 2 * INTER, generator=g), torch.randn(NUM_EXPERTS, HIDDEN, generator=g)
+    if fmt == "bf16":
+        w13, w2, forms = layer.w13.to(torch.bfloat16), layer.w2.to(torch.bfloat16), None
+    else:
+        method = Int4Experts()
+        method.process_weights_after_loading(layer)
+        (w13, w2), forms = method.weights(layer), method.forms(layer)
+    prepared = kernel.prepare(w13, w2, forms)
+    for biases in (dict(w13_bias=b13, w2_bias=b2), dict(w13_bias=b13, w2_bias=None)):
+        got = kernel(hidden, w13, w2, weights, ids, "swiglu_oai", prepared=prepared, swiglu_alpha=1.702,
+                     swiglu_limit=0.5, **biases)
+        want = moe_reference(hidden, w13.float(), w2.float(), weights, ids, "swiglu_oai", swiglu_alpha=1.702,
+                             swiglu_limit=0.5, **biases)
+        assert_rows_close(got, want, 1.5e-2 if fmt == "bf16" else 4e-2)
 
 
 def test_rounding_mode_rounds_the_parameters_it_packs():
