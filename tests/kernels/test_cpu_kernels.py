@@ -429,4 +429,5 @@ def test_kernels_off_by_environment(monkeypatch):
     assert platform.layer_kernels(config).offered() == {} and platform.quantization_kernels("int4").offered() == []
     assert cpu_kernels.available() and cpu_paged_decode.available()
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
-    assert set(platform.layer_kernels(config).offered()) == {"rms_norm", "rotary", "silu_and_mul", "lm_head"}
+    assert set(platform.layer_kernels(config).offered()) == {"rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul",
+                                                             "lm_head", "moe"}
