@@ -295,6 +295,7 @@ class Int4Experts(ExpertsMethod):
     """quantization="int4" on experts: CpuInt4Quantization's grid (4-bit groups of 32, from each
     group's min and max), scale and low rounded to float16."""
     name = "int4"
+    resident = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.int4_experts = None
@@ -319,13 +320,18 @@ class Int4Experts(ExpertsMethod):
             return AffineGroups(q, m.scale, m.low, CpuInt4Quantization.group_size)
         return ExpertForms(form(kept["w13"]), form(kept["w2"]))
 
-    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        forms = self.forms(layer)
-        if forms is None:
-            return super().weights(layer)
+    def weights(self, layer: nn.Module, experts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = getattr(layer, "int4_experts", None)
+        if kept is None:
+            return super().weights(layer, experts)
         out = []
-        for param, form in ((layer.w13, forms.w13), (layer.w2, forms.w2)):
-            assert isinstance(form, AffineGroups)
-            values = CpuInt4Quantization.dequantize(form.q, form.scale, form.low)
-            out.append(values.reshape(param.shape).to(param.dtype))
+        for name in ("w13", "w2"):
+            param, m = getattr(layer, name), kept[name]
+            num, n, k = param.shape
+            nibbles, scale, low = (t.reshape(num, n, -1) for t in (m.nibbles, m.scale, m.low))
+            if experts is not None:
+                nibbles, scale, low = nibbles[experts], scale[experts], low[experts]
+            q = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(-1, k)
+            values = CpuInt4Quantization.dequantize(q, scale.reshape(q.shape[0], -1), low.reshape(q.shape[0], -1))
+            out.append(values.reshape(-1, n, k).to(param.dtype))
         return out[0], out[1]

@@ -134,6 +134,7 @@ class Fp8Experts(ExpertsMethod):
     theirs; no float copy kept. No platform kernel multiplies fp8 experts here: the torch op takes
     them dequantized per call (W8A16, as the fp8 linear layers)."""
     name = "fp8"
+    resident = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         kept = {}
@@ -144,10 +145,16 @@ class Fp8Experts(ExpertsMethod):
         layer.fp8_experts = kept
         drop_dense_experts(layer)
 
-    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, layer: nn.Module, experts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         kept = getattr(layer, "fp8_experts", None)
         if kept is None:
-            return super().weights(layer)
-        w13, w2 = ((kept[name][0].float() * kept[name][1][:, None]).reshape(param.shape).to(param.dtype)
-                   for name, param in (("w13", layer.w13), ("w2", layer.w2)))
-        return w13, w2
+            return super().weights(layer, experts)
+        out = []
+        for name in ("w13", "w2"):
+            param = getattr(layer, name)
+            q, scale = kept[name]
+            q, scale = q.reshape(param.shape), scale.reshape(param.shape[:2])
+            if experts is not None:
+                q, scale = q[experts], scale[experts]
+            out.append((q.float() * scale.unsqueeze(-1)).to(param.dtype))
+        return out[0], out[1]

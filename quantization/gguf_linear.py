@@ -199,6 +199,7 @@ class GGUFExperts(ExpertsMethod):
     the experts' packed parts when every one is native (the platform's moe kernel multiplies them in
     place); `weights`: the experts dequantized, for the torch op (no such kernel here)."""
     name = "gguf"
+    resident = False
 
     def __init__(self, linear: GGUFLinearMethod) -> None:
         super().__init__()
@@ -253,10 +254,12 @@ class GGUFExperts(ExpertsMethod):
         w13, w2 = packed(layer.gguf_w13), packed(layer.gguf_w2)
         return ExpertForms(w13, w2) if w13 is not None and w2 is not None else None
 
-    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every expert dequantized on each call (a platform without a moe kernel for these blocks)."""
-        def dense(experts: list[list[StoredPart]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.stack([torch.cat([self._dense(p) for p in parts]) for parts in experts]).to(dtype)
+    def weights(self, layer: nn.Module, experts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts asked for dequantized, on each call (a platform without a moe kernel for these blocks)."""
+        chosen = range(layer.w13.shape[0]) if experts is None else experts.tolist()
+
+        def dense(stored: list[list[StoredPart]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.stack([torch.cat([self._dense(p) for p in stored[e]]) for e in chosen]).to(dtype)
         return dense(layer.gguf_w13, layer.w13.dtype), dense(layer.gguf_w2, layer.w2.dtype)
 
     def _dense(self, part: StoredPart) -> torch.Tensor:

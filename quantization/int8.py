@@ -87,6 +87,7 @@ class Int8Experts(ExpertsMethod):
     """quantization="int8" on experts (cpu_int4.py's notes on experts): each expert's rows in int8
     with one scale per output row, as Int8Quantization's linear layers; no float copy kept."""
     name = "int8"
+    resident = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer.int8_experts = None
@@ -105,10 +106,16 @@ class Int8Experts(ExpertsMethod):
         kept = getattr(layer, "int8_experts", None)
         return None if kept is None else ExpertForms(kept["w13"], kept["w2"])
 
-    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, layer: nn.Module, experts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         kept = getattr(layer, "int8_experts", None)
         if kept is None:
-            return super().weights(layer)
-        w13, w2 = ((kept[name].q.float() * kept[name].scale[:, None]).reshape(param.shape).to(param.dtype)
-                   for name, param in (("w13", layer.w13), ("w2", layer.w2)))
-        return w13, w2
+            return super().weights(layer, experts)
+        out = []
+        for name in ("w13", "w2"):
+            param = getattr(layer, name)
+            q, scale = kept[name].q, kept[name].scale
+            q, scale = q.reshape(param.shape), scale.reshape(param.shape[:2])
+            if experts is not None:
+                q, scale = q[experts], scale[experts]
+            out.append((q.float() * scale.unsqueeze(-1)).to(param.dtype))
+        return out[0], out[1]

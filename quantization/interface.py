@@ -112,6 +112,9 @@ class ExpertsMethod:
     method quantizes; a method keeping the checkpoint's blocks returns them from `weights`); `forms`
     offers what a platform's moe kernel packs from. This default keeps them dense."""
     name: ClassVar[str] = "unquantized"
+    # The layer's parameters hold the experts (False: `weights` builds them from another form, so
+    # the torch op asks for the experts a call routes to only).
+    resident: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.kernels = QuantKernels()
@@ -123,11 +126,12 @@ class ExpertsMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Once every expert is loaded: quantize `layer.w13` / `layer.w2` (the layer's parameters)."""
 
-    def weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The dense (w13, w2) the torch op multiplies by when no platform kernel runs the layer."""
+    def weights(self, layer: nn.Module, experts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense (w13, w2) the torch op multiplies by when no platform kernel runs the layer:
+        of the experts `experts` (int64 ids, stacked in that order), or of all (None)."""
         w13, w2 = layer.w13, layer.w2
         assert isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)
-        return w13, w2
+        return (w13, w2) if experts is None else (w13[experts], w2[experts])
 
     def forms(self, layer: nn.Module) -> Optional[ExpertForms]:
         """The layer's experts as this method keeps them; None: dense."""

@@ -304,8 +304,17 @@ class FusedMoE(nn.Module):
             out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids, self.activation, **extra, **prepared)
             if out is not NotImplemented:
                 return out
-        w13, w2 = self.quant_method.weights(self)
-        return moe_reference(hidden, w13, w2, topk_weights, topk_ids, self.activation, **extra)
+        if self.quant_method.resident or graph_capturing(hidden):
+            w13, w2 = self.quant_method.weights(self)
+            return moe_reference(hidden, w13, w2, topk_weights, topk_ids, self.activation, **extra)
+        # Experts kept in another form (quantized): only those this call routes to, dequantized.
+        used = torch.unique(topk_ids)
+        w13, w2 = self.quant_method.weights(self, used)
+        for name in ("w13_bias", "w2_bias"):
+            if extra.get(name) is not None:
+                extra[name] = extra[name][used]
+        return moe_reference(hidden, w13, w2, topk_weights, torch.searchsorted(used, topk_ids), self.activation,
+                             **extra)
 
     def _extra_args(self) -> dict[str, Any]:
         """The op's keyword arguments beyond the plain gated experts (none for those): the biases

@@ -83,6 +83,24 @@ def test_native_op_matches_the_reference(case, fmt):
         assert_rows_close(got, want, tol)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_quantized_experts_dequantize_the_experts_asked_for(fmt):
+    """The torch op's weights (ExpertsMethod.weights): a subset of experts is exactly those experts of
+    the whole stack, which is the quantization grid (close to the loaded weights)."""
+    from tokenmill.quantization.fp8 import Fp8Experts
+    layer = experts()
+    original = layer.w13.clone()
+    method = {"int4": Int4Experts, "int8": Int8Experts, "fp8": Fp8Experts}[fmt]()
+    method.process_weights_after_loading(layer)
+    assert not method.resident and layer.w13.untyped_storage().nbytes() <= 4
+    w13, w2 = method.weights(layer)
+    assert w13.shape == original.shape and w2.shape == (NUM_EXPERTS, HIDDEN, INTER)
+    assert ((w13 - original).norm() / original.norm()) < (0.1 if fmt == "int4" else 0.05)
+    chosen = torch.tensor([1, 5, 6])
+    sub13, sub2 = method.weights(layer, chosen)
+    assert torch.equal(sub13, w13[chosen]) and torch.equal(sub2, w2[chosen])
+
+
 def test_native_op_result_does_not_depend_on_the_batch():
     """A token's output is the same alone, in a batch, or in any slice of one."""
     kernel = native_moe()
