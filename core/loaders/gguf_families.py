@@ -1,5 +1,5 @@
 """What llama.cpp's converter (convert_hf_to_gguf.py; conversion/*.py in newer trees) writes for
-each family (dense, and the mixture-of-experts Mixtral and Qwen2/3-MoE), read back: GGUF metadata
+each family (dense, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE), read back: GGUF metadata
 -> HF config fields, GGUF block tensor names -> HF module names, and which of the converter's
 tensor transforms the loader undoes (core/loaders/gguf_loader.py applies them).
 
@@ -145,6 +145,13 @@ def _qwen3moe(gguf: GGUFFile, kwargs: dict) -> None:
     kwargs["decoder_sparse_step"] = 1
 
 
+def _olmoe(gguf: GGUFFile, kwargs: dict) -> None:
+    _experts(gguf, kwargs)
+    kwargs.pop("moe_intermediate_size")        # OLMoE's experts are intermediate_size wide
+    kwargs["intermediate_size"] = int(gguf.arch_value("expert_feed_forward_length") or kwargs["intermediate_size"])
+    kwargs["norm_topk_prob"] = False           # llama.cpp: OLMoE's top-k weights are not renormalized
+
+
 def _gemma2(gguf: GGUFFile, kwargs: dict) -> None:
     kwargs["query_pre_attn_scalar"] = _gemma_query_scalar(kwargs, 46)
     # Absent soft-caps: HF's defaults (50, 30) are llama.cpp's too.
@@ -257,6 +264,7 @@ FAMILIES: dict[str, GGUFFamily] = {
     "qwen3": GGUFFamily("qwen3", "Qwen3ForCausalLM", _llama_like, plain_config=True),
     "qwen2moe": GGUFFamily("qwen2_moe", "Qwen2MoeForCausalLM", _qwen2moe),
     "qwen3moe": GGUFFamily("qwen3_moe", "Qwen3MoeForCausalLM", _qwen3moe),
+    "olmoe": GGUFFamily("olmoe", "OlmoeForCausalLM", _olmoe),
     "gemma2": GGUFFamily("gemma2", "Gemma2ForCausalLM", _gemma2, _GEMMA_NAMES, norm_shift=1.0),
     "gemma3": GGUFFamily("gemma3_text", "Gemma3ForCausalLM", _gemma3, _GEMMA_NAMES, norm_shift=1.0),
     "phi3": GGUFFamily("phi3", "Phi3ForCausalLM", _phi3, fused_ffn_up=True),

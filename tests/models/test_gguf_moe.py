@@ -1,5 +1,5 @@
 """GGUF mixture-of-experts files as llama.cpp's converter writes them (core/loaders/gguf_families.py):
-qwen2moe (a shared expert and its gate), qwen3moe, and Mixtral as "llama" with expert_count; the
+qwen2moe (a shared expert and its gate), qwen3moe, olmoe, and Mixtral as "llama" with expert_count; the
 experts stacked per layer as blk.N.ffn_{gate,up,down}_exps [E, rows, cols], the router ffn_gate_inp
 (float32, as the converter keeps it). F32 files give transformers' float32 greedy tokens; Q8_0
 files, dequantized at load, logits close to them; kept quantized (quantization="gguf"), the
@@ -28,6 +28,7 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", "qwen3moe", dict(DIMS, num_experts=8, moe_intermediate_size=32, head_dim=16,
                                                 norm_topk_prob=True), "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "llama", dict(DIMS, num_local_experts=8), "MixtralForCausalLM"),
+    "olmoe": ("olmoe", "olmoe", dict(DIMS, num_experts=8), "OlmoeForCausalLM"),
 }
 PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in enumerate((29, 13))]
 EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
