@@ -84,8 +84,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                 "fast_path": (False, "decode steps run every layer eagerly (attention sinks and the expert FFN "
                                      "are outside the cpu native step)"),
                 "quantization": (True, "MXFP4 checkpoints load (experts dequantized to the model dtype); int4 / "
-                                       "int8 quantize the experts too, run by the torch op (the cpu native MoE op "
-                                       "declines biased, clamped-SwiGLU experts)")}
+                                       "int8 quantize the experts too, run by the cpu native MoE op (biases and "
+                                       "the clamped SwiGLU included)")}
 
     @classmethod
     def layer_structure(cls, config: Any, layer_idx: int) -> LayerStructure:
