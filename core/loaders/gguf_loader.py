@@ -50,6 +50,9 @@ _BLOCK_NAMES = {
 # Stacked experts -> each expert's HF tensor: (Qwen-MoE name, Mixtral name).
 _EXPERT_PARTS = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
                  "ffn_down_exps": ("down_proj", "w2")}
+# Mixtral files of llama.cpp's converter before stacked experts: one tensor per expert, ffn_gate.{e}.
+_LEGACY_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+_LEGACY_EXPERT_NAMES = {"gate": "w1", "up": "w3", "down": "w2"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Tensors that are not weights of the HF network (rope factors become config values).
 _NON_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -172,6 +175,11 @@ def _unshifted(name: str, info: Any, data: np.ndarray, shift: float) -> GGUFTens
 
 def _family_tensors(family: GGUFFamily, config: Any, name: str, info: Any,
                     data: np.ndarray) -> list[tuple[str, GGUFTensor]]:
+    legacy = _LEGACY_EXPERT_RE.match(name)
+    if legacy is not None:
+        layer, part, expert = legacy.groups()
+        return [(f"model.layers.{layer}.mlp.experts.{expert}.{_LEGACY_EXPERT_NAMES[part]}.weight",
+                 GGUFTensor(name, data, info.qtype, info.shape))]
     hf_name = hf_tensor_name(name.replace(".attn_qkv.", ".attn_q."), dict(family.block_names))
     kind = name.split(".")[-2] if name.startswith("blk.") else ""
     if kind in _EXPERT_PARTS:

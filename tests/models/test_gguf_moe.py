@@ -51,7 +51,7 @@ def save_hf(case: str, directory, seed: int = 0):
     return model
 
 
-def write_gguf(hf_dir, path: str, arch: str, qtype: Q) -> None:
+def write_gguf(hf_dir, path: str, arch: str, qtype: Q, stacked: bool = True) -> None:
     """The converter's layout: TextModel's keys plus expert_count / expert_used_count / the experts'
     (and shared expert's) FFN lengths; each layer's experts stacked per projection; the routers in
     float32; other matrices in `qtype`."""
@@ -100,7 +100,10 @@ def write_gguf(hf_dir, path: str, arch: str, qtype: Q) -> None:
             continue
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = value
     for (layer, part), by_expert in experts.items():
-        tensors[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+        if stacked:
+            tensors[f"blk.{layer}.ffn_{part}_exps.weight"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+        else:       # older Mixtral files: one tensor per expert
+            tensors.update({f"blk.{layer}.ffn_{part}.{e}.weight": value for e, value in by_expert.items()})
     for name, value in tensors.items():
         if qtype != Q.F32 and value.ndim > 1 and not name.endswith(("norm.weight", "ffn_gate_inp.weight",
                                                                     "ffn_gate_inp_shexp.weight")):
@@ -129,6 +132,15 @@ def test_f32_greedy_matches_transformers(tmp_path, case):
     assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, 8)] == hf_greedy(hf, PROMPTS, 8)
     torch.testing.assert_close(run_prompt(llm.engine.bundle.model, PROMPTS[0]), hf_last_logits(hf, PROMPTS[0]),
                                atol=2e-4, rtol=2e-4)
+
+
+def test_mixtral_with_one_tensor_per_expert(tmp_path):
+    """Mixtral files written before llama.cpp stacked the experts: blk.N.ffn_gate.{e}.weight."""
+    hf = save_hf("mixtral", tmp_path / "hf")
+    path = str(tmp_path / "mixtral-legacy.gguf")
+    write_gguf(tmp_path / "hf", path, "llama", Q.F32, stacked=False)
+    llm = make_llm(path, tokenizer=str(tmp_path / "hf"))
+    assert [list(o.outputs[0].token_ids) for o in generate(llm, PROMPTS, 8)] == hf_greedy(hf, PROMPTS, 8)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
