@@ -48,7 +48,7 @@ def test_builtins_come_through_their_entry_point_groups():
         assert r.description["attention_backends"] and r.description["distributed_backend"]
     declared = {(ep.group, ep.name) for ep in importlib.metadata.distribution("tokenmill").entry_points}
     assert {("tokenmill.platforms", n) for n in BUILTIN_PLATFORMS} <= declared
-    assert {"reference", "cpu_sdpa", "triton_paged", "flash_attn", "flashinfer", "ipex", "pallas"} == {
+    assert {"reference", "cpu_sdpa", "cpu_mla", "triton_paged", "flash_attn", "flashinfer", "ipex", "pallas"} == {
         n for g, n in declared if g == "tokenmill.attention_backends"}
     for kind in ("platform", "attention_backend", "model_architecture"):
         assert all(r.loaded and r.package == "tokenmill" for r in registry.reports(kind)), kind
