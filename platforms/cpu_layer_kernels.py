@@ -73,33 +73,24 @@ class NativeRotary:
         return out
 
 
-class NativeSiluAndMul:
-    name = "native_silu_mul"
+class NativeGatedMul:
+    """x [rows, 2 * inter] = [gate | up] -> act(gate) * up, act SiLU or GELU-tanh (GeGLU)."""
+
+    def __init__(self, activation: str) -> None:
+        self.name = f"native_{activation}_mul"
+        self._entries = (f"{activation}_mul_f32", f"{activation}_mul_bf16")
 
     def __call__(self, x: torch.Tensor) -> Any:
         if x.dtype not in KERNEL_DTYPES or x.dim() != 2 or not x.is_contiguous():
             return NotImplemented
         rows, width = x.shape
         out = torch.empty((rows, width // 2), dtype=x.dtype)
-        silu_mul = _lib().silu_mul_f32 if x.dtype == torch.float32 else _lib().silu_mul_bf16
-        silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
-        return out
-
-
-class NativeGeluTanhAndMul:
-    name = "native_gelu_tanh_mul"
-
-    def __call__(self, x: torch.Tensor) -> Any:
-        if x.dtype not in KERNEL_DTYPES or x.dim() != 2 or not x.is_contiguous():
-            return NotImplemented
-        rows, width = x.shape
-        out = torch.empty((rows, width // 2), dtype=x.dtype)
-        gelu_mul = _lib().gelu_tanh_mul_f32 if x.dtype == torch.float32 else _lib().gelu_tanh_mul_bf16
-        gelu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        entry = getattr(_lib(), self._entries[x.dtype == torch.bfloat16])
+        entry(x.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
 
 def native_layer_kernels() -> LayerKernels:
     """The elementwise kernels; the caller checks `cpu_kernels.available()` first."""
-    return LayerKernels(rms_norm=NativeRMSNorm(), rotary=NativeRotary(), silu_and_mul=NativeSiluAndMul(),
-                        gelu_tanh_and_mul=NativeGeluTanhAndMul())
+    return LayerKernels(rms_norm=NativeRMSNorm(), rotary=NativeRotary(), silu_and_mul=NativeGatedMul("silu"),
+                        gelu_tanh_and_mul=NativeGatedMul("gelu_tanh"))

@@ -276,6 +276,45 @@ def assert_logits_match(hf_model, path, prompt: list[int]) -> None:
     torch.testing.assert_close(run_prompt(model, prompt), hf_last_logits(hf_model, prompt), atol=2e-4, rtol=2e-4)
 
 
+def save_moe_checkpoint(model_type: str, config_kwargs: dict, directory, seed: int = 0, vocab_size: int = 1000,
+                        correction_bias_scale: float = 0.0):
+    """A random-weight transformers mixture-of-experts model saved with a tokenizer; the float32
+    model. The routers' weights are scaled up so each token's experts are picked by clear margins
+    (not float noise); a correction bias (DeepSeek V3, GLM-4.5) random at `correction_bias_scale`, so
+    it changes which experts win."""
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **config_kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(20.0)
+        for name, buffer in model.named_buffers():
+            if correction_bias_scale and name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * correction_bias_scale)
+    model.save_pretrained(str(directory))
+    tiny_tokenizer(vocab_size).save_pretrained(str(directory))
+    return model
+
+
+def assert_server_greedy(path, prompts: list[list[int]], expected: list[list[int]], max_tokens: int = 10) -> None:
+    """`tokenmill serve PATH` (float32) through the official openai SDK: greedy completions of the
+    token-id prompts equal `expected`."""
+    import openai
+
+    from tokenmill.entrypoints.openai.testing import ServerProcess
+    args = [str(path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
+            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
+    with ServerProcess(args) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt, want in zip(prompts, expected):
+            out = client.completions.create(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
+
+
 def make_llm(path, **kwargs):
     from tokenmill.entrypoints.llm import LLM
     args = dict(model=str(path), dtype="float32", device="cpu", num_threads=1, block_size=16,

@@ -26,6 +26,55 @@ using tokenmill_cpu::bf16_to_f32;
 using tokenmill_cpu::f32_to_bf16;
 using tokenmill_cpu::round_to_bf16;
 
+namespace {
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+// GELU with the tanh approximation as 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): the form whose exp
+// loop vectorizes like SiLU's.
+inline float gelu_tanh(float g) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return g / (1.0f + std::exp(-2.0f * kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+}
+
+// out [rows, inter] = act(x[:, :inter]) * x[:, inter:2 * inter], x rows contiguous (2 * inter).
+template <float (*Act)(float)>
+void gated_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * 2 * inter;
+    const float* up = gate + inter;
+    float* orow = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) orow[i] = Act(gate[i]) * up[i];
+  }
+}
+
+// bf16: out = round(round(act(gate)) * up), as torch's bf16 ops round. Through a float buffer of a
+// row at a time, so the exp loop vectorizes (glibc's vector expf) without the bf16 conversions in it.
+template <float (*Act)(float)>
+void gated_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter) {
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> buffer(inter);
+    float* __restrict g = buffer.data();
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* gate = x + r * 2 * inter;
+      const uint16_t* up = gate + inter;
+      uint16_t* orow = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) g[i] = Act(g[i]);
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
+    }
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 int tokenmill_kernels_abi_version() { return 10; }
@@ -90,16 +139,7 @@ void rope_f32(const float* x, int64_t x_row_stride, const float* cos_sin, const 
 }
 
 // out [rows, inter] = silu(x[:, :inter]) * x[:, inter:2 * inter], x rows contiguous (2 * inter).
-void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = x + r * 2 * inter;
-    const float* up = gate + inter;
-    float* orow = out + r * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) orow[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-  }
-}
+void silu_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) { gated_mul_f32<silu>(x, out, rows, inter); }
 
 // bf16 versions of the three (bf16 activations, as --dtype bfloat16 runs prompts): float32 math
 // rounded to bf16 (nearest even) wherever torch's bf16 ops round, so the results are torch's to
@@ -174,66 +214,17 @@ void rope_bf16(const uint16_t* x, int64_t x_row_stride, const uint16_t* cos_sin,
   }
 }
 
-// out = round(round(silu(gate)) * up). Through a float buffer of a row at a time, so the exp
-// loop vectorizes (glibc's vector expf) without the bf16 conversions in it.
 void silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter) {
-#pragma omp parallel if (rows >= 16)
-  {
-    std::vector<float> buffer(inter);
-    float* __restrict g = buffer.data();
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* gate = x + r * 2 * inter;
-      const uint16_t* up = gate + inter;
-      uint16_t* orow = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
-    }
-  }
-}
-
-// GELU with the tanh approximation as 0.5 * (1 + tanh(z)) = 1 / (1 + exp(-2z)): the form whose exp
-// loop vectorizes like SiLU's.
-static inline float gelu_tanh(float g) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  return g / (1.0f + std::exp(-2.0f * kSqrt2OverPi * (g + 0.044715f * g * g * g)));
+  gated_mul_bf16<silu>(x, out, rows, inter);
 }
 
 // out [rows, inter] = gelu_tanh(x[:, :inter]) * x[:, inter:] (Gemma's GeGLU), x rows contiguous.
 void gelu_tanh_mul_f32(const float* x, float* out, int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = x + r * 2 * inter;
-    const float* up = gate + inter;
-    float* orow = out + r * inter;
-#pragma omp simd
-    for (int64_t i = 0; i < inter; ++i) orow[i] = gelu_tanh(gate[i]) * up[i];
-  }
+  gated_mul_f32<gelu_tanh>(x, out, rows, inter);
 }
 
-// out = round(round(gelu_tanh(gate)) * up), as torch's bf16 ops round.
 void gelu_tanh_mul_bf16(const uint16_t* x, uint16_t* out, int64_t rows, int64_t inter) {
-#pragma omp parallel if (rows >= 16)
-  {
-    std::vector<float> buffer(inter);
-    float* __restrict g = buffer.data();
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint16_t* gate = x + r * 2 * inter;
-      const uint16_t* up = gate + inter;
-      uint16_t* orow = out + r * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = bf16_to_f32(gate[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) g[i] = gelu_tanh(g[i]);
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) orow[i] = f32_to_bf16(round_to_bf16(g[i]) * bf16_to_f32(up[i]));
-    }
-  }
+  gated_mul_bf16<gelu_tanh>(x, out, rows, inter);
 }
 
 // x [M, K] float32 -> q [M, K] int8 (outlier channels set to 0), token_scale [M],

@@ -349,8 +349,7 @@ def test_layer_kernels_match_the_torch_layers(dtype):
     from tokenmill.core.layers.activation import GatedActivation, SiluAndMul
     from tokenmill.core.layers.norm import RMSNorm
     from tokenmill.core.layers.rotary import RotaryEmbedding
-    from tokenmill.platforms.cpu_layer_kernels import (NativeGeluTanhAndMul, NativeRMSNorm, NativeRotary,
-                                                       NativeSiluAndMul)
+    from tokenmill.platforms.cpu_layer_kernels import NativeGatedMul, NativeRMSNorm, NativeRotary
 
     def agree(got, want):
         if dtype == torch.float32:
@@ -406,16 +405,16 @@ def test_layer_kernels_match_the_torch_layers(dtype):
         act = SiluAndMul()
         h = torch.randn(rows, 2 * 1536, dtype=dtype)
         plain = act(h)
-        act.use_kernel(NativeSiluAndMul())
+        act.use_kernel(NativeGatedMul("silu"))
         agree(act(h), plain)
 
         geglu = GatedActivation("gelu_tanh")
         plain = geglu(h)
-        geglu.use_kernel(NativeGeluTanhAndMul())
+        geglu.use_kernel(NativeGatedMul("gelu_tanh"))
         agree(geglu(h), plain)
-        assert NativeGeluTanhAndMul()(h) is not NotImplemented
+        assert NativeGatedMul("gelu_tanh")(h) is not NotImplemented
     # What a kernel does not cover falls back to torch.
-    assert NativeSiluAndMul()(torch.randn(2, 8, dtype=torch.float16)) is NotImplemented
+    assert NativeGatedMul("silu")(torch.randn(2, 8, dtype=torch.float16)) is NotImplemented
     assert NativeRMSNorm()(x, None, norm.weight.float() if dtype == torch.bfloat16 else norm.weight.bfloat16(),
                            1e-5) is NotImplemented
 

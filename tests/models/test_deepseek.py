@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from model_helpers import generate, hf_greedy, hf_last_logits, load_for_test, make_llm, run_prompt, tiny_tokenizer
+from model_helpers import (assert_server_greedy, generate, hf_greedy, hf_last_logits, load_for_test, make_llm,
+                           run_prompt, save_moe_checkpoint)
 
 from tokenmill.attention_backends.interface import AttentionConfig, build_metadata
 from tokenmill.attention_backends.mla import CpuMLAAttention, write_latent
@@ -41,23 +42,10 @@ ROW = MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]          # cached numbers pe
 
 
 def save_family(model_type: str, directory, seed: int = 0, **overrides):
-    """A random-weight transformers model saved with a tokenizer; the float32 model. Routers scaled up
-    so experts win by clear margins; V3's correction bias random so it changes which win."""
-    import transformers
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-            if name.endswith("mlp.gate.weight"):
-                param.mul_(20.0)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.1)
-    model.save_pretrained(str(directory))
-    tiny_tokenizer(VOCAB).save_pretrained(str(directory))
-    return model
+    """A random-weight transformers model saved with a tokenizer (routers decisive; V3's correction
+    bias random, so it changes which experts win); the float32 model."""
+    return save_moe_checkpoint(model_type, {**FAMILIES[model_type], **overrides}, directory, seed, VOCAB,
+                               correction_bias_scale=0.1)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -268,17 +256,7 @@ def test_lora_on_attention_matches_peft(tmp_path, model_type):
 
 def test_server_answers_as_transformers(tmp_path):
     """`tokenmill serve DIR` through the openai SDK: transformers' greedy tokens."""
-    import openai
-
-    from tokenmill.entrypoints.openai.testing import ServerProcess
     hf = save_family("deepseek_v3", tmp_path)
     prompts = PROMPTS[:2]
     expected = hf_greedy(hf, prompts)
-    args = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
-            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        for prompt, want in zip(prompts, expected):
-            out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
-                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
+    assert_server_greedy(tmp_path, prompts, expected)

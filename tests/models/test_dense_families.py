@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from family_configs import ARCHITECTURES, FAMILIES, PROMPTS, save_family
-from model_helpers import (assert_greedy_twice, assert_logits_match, generate, hf_greedy, load_for_test,
-                           make_llm, run_prompt)
+from model_helpers import (assert_greedy_twice, assert_logits_match, assert_server_greedy, generate, hf_greedy,
+                           load_for_test, make_llm, run_prompt)
 
 from tokenmill.core.models.transformers_impl import TransformersForCausalLM
 
@@ -85,20 +85,10 @@ def test_families_listed_as_native(tmp_path):
 @pytest.mark.parametrize("model_type", ["gemma3_text", "phi3"])
 def test_server_answers_as_transformers(tmp_path, model_type):
     """`tokenmill serve DIR` through the openai SDK: transformers' greedy tokens."""
-    import openai
-
-    from tokenmill.entrypoints.openai.testing import ServerProcess
     hf = save_family(model_type, tmp_path)
     prompts = PROMPTS[:2]
     expected = hf_greedy(hf, prompts)
-    args = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
-            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        for prompt, want in zip(prompts, expected):
-            out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
-                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
+    assert_server_greedy(tmp_path, prompts, expected)
 
 
 @pytest.mark.parametrize("model_type", ["phi3", "gemma3_text", "starcoder2"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import assert_greedy_twice, generate, hf_greedy, make_llm, tiny_tokenizer
+from model_helpers import (assert_greedy_twice, generate, hf_greedy, make_llm, save_moe_checkpoint)
 
 from tokenmill.core.layers.moe import FusedMoE
 
@@ -21,23 +21,9 @@ PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in e
 
 
 def save_glm(directory, seed: int = 0, **overrides):
-    """A random float32 transformers GLM-4-MoE saved with a tokenizer: routers scaled up so experts
-    win by clear margins, the correction bias large enough to change which ones win."""
-    import transformers
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model("glm4_moe", **{**CONFIG, **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-            if name.endswith("mlp.gate.weight"):
-                param.mul_(20.0)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn_like(buffer) * 0.5)
-    model.save_pretrained(str(directory))
-    tiny_tokenizer(VOCAB).save_pretrained(str(directory))
-    return model
+    """A random float32 transformers GLM-4-MoE saved with a tokenizer (routers decisive, the
+    correction bias large enough to change which experts win)."""
+    return save_moe_checkpoint("glm4_moe", {**CONFIG, **overrides}, directory, seed, VOCAB, correction_bias_scale=0.5)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from model_helpers import assert_greedy_twice, generate, hf_greedy, make_llm, tiny_tokenizer
+from model_helpers import (assert_greedy_twice, assert_server_greedy, generate, hf_greedy, make_llm, tiny_tokenizer)
 
 from tokenmill.core.layers.moe import FusedMoE, moe_reference
 from tokenmill.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4
@@ -201,21 +201,11 @@ def test_mxfp4_checkpoint_missing_scales_is_refused(tmp_path):
 
 def test_server_answers_as_transformers(tmp_path):
     """`tokenmill serve DIR` through the openai SDK: transformers' greedy tokens."""
-    import openai
-
-    from tokenmill.entrypoints.openai.testing import ServerProcess
     hf = hf_model()
     save(hf, tmp_path)
     prompts = PROMPTS[:2]
     expected = hf_greedy(hf, prompts)
-    args = [str(tmp_path), "--device", "cpu", "--dtype", "float32", "--served-model-name", "m", "--num-threads", "1",
-            "--kv-cache-memory", str(16 << 20), "--generation-config", "none", "--disable-access-log"]
-    with ServerProcess(args) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        for prompt, want in zip(prompts, expected):
-            out = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0, logprobs=0,
-                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-            assert [int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens] == want
+    assert_server_greedy(tmp_path, prompts, expected)
 
 
 def test_bf16_runs_as_the_eager_model(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_helpers import generate, hf_greedy, make_llm, tiny_tokenizer
+from model_helpers import (assert_greedy_twice, generate, hf_greedy, make_llm, save_moe_checkpoint)
 
 from tokenmill.core import distributed
 from tokenmill.core.layers.kernels import apply_layer_kernels
@@ -42,20 +42,8 @@ PROMPTS = [[3 + (i * 37 + j * 11) % (VOCAB - 3) for j in range(n)] for i, n in e
 
 
 def save_family(model_type: str, directory, seed: int = 0, **overrides):
-    """A random-weight transformers model saved with a tokenizer; the float32 model. The routers'
-    weights are scaled up so each token's experts are picked by clear margins (not float noise)."""
-    import transformers
-    torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **overrides})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-            if name.endswith("mlp.gate.weight"):
-                param.mul_(20.0)
-    model.save_pretrained(str(directory))
-    tiny_tokenizer(VOCAB).save_pretrained(str(directory))
-    return model
+    """A random-weight transformers model saved with a tokenizer (routers decisive); the float32 model."""
+    return save_moe_checkpoint(model_type, {**FAMILIES[model_type], **overrides}, directory, seed, VOCAB)
 
 
 def naive_moe(hidden, w13, w2, weights, ids, activation="silu"):
@@ -217,11 +205,7 @@ def test_greedy_matches_transformers(tmp_path, model_type):
     assert type(model).__name__ == ARCHITECTURES[model_type]
     sparse = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, FusedMoE)]
     assert sparse == {"qwen2_moe": [0, 2, 3], "qwen3_moe": [1, 3]}.get(model_type, [0, 1, 2, 3])
-    first = generate(llm, PROMPTS)
-    assert [list(o.outputs[0].token_ids) for o in first] == expected
-    second = generate(llm, PROMPTS)
-    assert [list(o.outputs[0].token_ids) for o in second] == expected
-    assert second[0].num_cached_tokens >= 32
+    assert_greedy_twice(llm, PROMPTS, expected)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
