@@ -311,3 +311,22 @@ def test_bf16_fast_path_runs_moe_layers_eagerly_between_native_ones(tmp_path, mo
     assert runner.forward.last_path == "fused_decode"
     eager = make_llm(tmp_path, dtype="bfloat16", max_num_batched_tokens=64, enforce_eager=True)
     assert got == [list(o.outputs[0].token_ids) for o in generate(eager, PROMPTS, max_tokens=12)]
+
+
+def test_lora_on_attention_of_a_moe_model_matches_peft(tmp_path):
+    """LoRA on Qwen3-MoE's attention (the experts stay unadapted): peft's greedy tokens."""
+    from lora_helpers import make_adapter
+
+    from tokenmill.core.lora.request import LoRARequest
+    from tokenmill.core.sampling_params import SamplingParams
+    base = save_moe_checkpoint("qwen3_moe", FAMILIES["qwen3_moe"], tmp_path / "base")
+    peft_model = make_adapter(str(tmp_path / "base"), str(tmp_path / "adapter"), seed=7,
+                              targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    prompts = [[1, 5, 9, 33, 7], [1, 400, 3, 3, 99, 12, 8]]
+    expected = hf_greedy(peft_model, prompts)
+    assert expected != hf_greedy(base, prompts)                      # the adapter changes the tokens
+    llm = make_llm(tmp_path / "base", enable_lora=True, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
