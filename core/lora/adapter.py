@@ -112,6 +112,9 @@ def _check_config(config: dict[str, Any], path: str, max_rank: int,
         raise LoRAAdapterError(f"adapter {path!r} has no valid rank r: {rank!r}", "r")
     if rank > max_rank:
         raise LoRAAdapterError(f"adapter {path!r} has rank {rank}, above max_lora_rank={max_rank}", "max_lora_rank")
+    if config.get("target_parameters"):      # peft's LoRA on fused parameters: transformers' stacked experts
+        raise LoRAAdapterError(f"adapter {path!r} sets target_parameters {config['target_parameters']}: LoRA on "
+                               f"mixture-of-experts experts is not supported", "target_parameters")
     modules = config.get("target_modules") or []
     if isinstance(modules, str):    # a regex over full module names: checked against the tensors instead
         modules = []
@@ -153,6 +156,10 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
         target = targets.get(leaf)
         layer = f"{parent}.{target.layer_suffix}" if target is not None else None
         if target is None or layer not in layer_names:
+            if ".experts." in f".{module}.":
+                raise LoRAAdapterError(f"adapter {path!r} adapts expert weights ({module!r}): LoRA on "
+                                       f"mixture-of-experts experts is not supported (attention and dense "
+                                       f"layers are)", "target_modules")
             raise LoRAAdapterError(f"adapter {path!r} adapts module {module!r}, which this model does not have "
                                    f"as a LoRA target", "target_modules")
         if set(ab) != {"A", "B"}:

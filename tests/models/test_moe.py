@@ -330,3 +330,27 @@ def test_lora_on_attention_of_a_moe_model_matches_peft(tmp_path):
                         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
                         lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_lora_on_experts_is_refused_with_a_clear_error(tmp_path):
+    """An adapter with expert tensors (per-expert modules, or peft's target_parameters on the stacked
+    experts) is refused by name rather than as an unknown module."""
+    import safetensors.torch
+
+    from tokenmill.core.lora.adapter import LoRAAdapterError
+    from tokenmill.core.lora.request import LoRARequest
+    save_moe_checkpoint("olmoe", FAMILIES["olmoe"], tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "bias": "none"}
+    prefix = "base_model.model.model.layers.0"
+    tensors = {f"{prefix}.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+               f"{prefix}.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+               f"{prefix}.mlp.experts.3.gate_proj.lora_A.weight": torch.zeros(4, 64),
+               f"{prefix}.mlp.experts.3.gate_proj.lora_B.weight": torch.zeros(64, 4)}
+    safetensors.torch.save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    llm = make_llm(tmp_path / "base", enable_lora=True, max_lora_rank=8)
+    for extra in ({}, {"target_parameters": ["mlp.experts.gate_up_proj"]}):
+        (adapter / "adapter_config.json").write_text(json.dumps({**config, **extra}))
+        with pytest.raises(LoRAAdapterError, match="mixture-of-experts experts is not supported"):
+            llm.engine.add_lora(LoRARequest(f"a{len(extra)}", 1 + len(extra), str(adapter)))
