@@ -50,9 +50,7 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   kp.assign(num_kv_heads * head + kKeys * D, 0);     // + a zero block: AMX passes read two blocks
   vp.assign(num_kv_heads * head + kKeys * D, 0);
   pack_kv(k, k_stride, v, v_stride, tk, num_kv_heads, D, kp.data(), vp.data());
-  // A sliding window runs on the AVX512-BF16 tiles (the AMX ones take none).
-  const bool windowed = causal && window > 0;
-  const bool amx = tokenmill_cpu::amx_usable() && !windowed;
+  const bool amx = tokenmill_cpu::amx_usable();
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   const int64_t group = num_heads / num_kv_heads, tiles = (tq + tile_rows - 1) / tile_rows;
   const uint16_t* kpd = kp.data();
@@ -62,12 +60,8 @@ void run(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_strid
   for (int64_t item = 0; item < num_heads * tiles; ++item) {
     const int64_t tile = tiles - 1 - item / num_heads, h = item % num_heads, g = h / group;
     const int64_t i0 = tile * tile_rows;
-    if (windowed)
-      attend_tile_window<D>(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
-                            std::min(tile_rows, tq - i0), tk, scale, q_offset, window, lse, tq);
-    else
-      tile_kernel<D>(amx)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
-                          std::min(tile_rows, tq - i0), tk, scale, q_offset, causal, lse, tq);
+    tile_kernel<D>(amx)(q, q_stride, kpd + g * head, vpd + g * head, out, out_stride, h, i0,
+                        std::min(tile_rows, tq - i0), tk, scale, q_offset, causal, lse, tq, window);
   }
 }
 
@@ -81,8 +75,7 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
   std::vector<int64_t> packed(batch + 1, 0);        // offset of each prompt's packed heads
   std::vector<int64_t> first_item(batch + 1, 0);
   const int64_t group = num_heads / num_kv_heads;
-  const bool windowed = causal && window > 0;
-  const bool amx = tokenmill_cpu::amx_usable() && !windowed;
+  const bool amx = tokenmill_cpu::amx_usable();
   const int64_t tile_rows = amx ? kAmxRows : kRows;
   for (int64_t p = 0; p < batch; ++p) {
     const int64_t len = starts[p + 1] - starts[p];
@@ -116,16 +109,10 @@ void run_batch(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k
     const int64_t local = item - first_item[p];
     const int64_t tile = tiles - 1 - local / num_heads, h = local % num_heads, g = h / group;
     const int64_t head = ((len + kKeys - 1) / kKeys) * kKeys * D, i0 = tile * tile_rows;
-    if (windowed) {
-      attend_tile_window<D>(q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
-                            out + starts[p] * out_stride, out_stride, h, i0, std::min(tile_rows, len - i0), len, scale,
-                            0, window, lse ? lse + starts[p] : nullptr, starts[batch]);
-      continue;
-    }
     tile_kernel<D>(amx)(
         q + starts[p] * q_stride, q_stride, kpd + packed[p] + g * head, vpd + packed[p] + g * head,
         out + starts[p] * out_stride, out_stride, h, i0, std::min(tile_rows, len - i0), len, scale, 0, causal,
-        lse ? lse + starts[p] : nullptr, starts[batch]);
+        lse ? lse + starts[p] : nullptr, starts[batch], window);
   }
 }
 

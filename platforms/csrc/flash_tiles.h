@@ -230,27 +230,29 @@ void attend_keys(Tile<D>& t, const uint16_t* kp, const uint16_t* vp, int64_t tk,
 
 // A tile of up to kRows queries of head h (rows i0 .. i0 + rows - 1, at positions q_offset + i)
 // over one prompt's packed K/V of its KV head. Out: bf16 (rounded to nearest even) or float32.
+// A sliding window (causal only; 0 = none): the row at position p sees keys (p - window, p].
 template <int D, typename Out = uint16_t>
 void attend_tile(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
                  int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale, int64_t q_offset,
-                 bool causal, float* lse, int64_t tq) {
+                 bool causal, float* lse, int64_t tq, int64_t window) {
   Tile<D> t(q + i0 * q_stride + h * D, q_stride, rows);
-  attend_keys<D>(t, kp, vp, tk, scale, causal, q_offset + i0);
-  store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
-}
-
-// attend_tile under a sliding window (row at position p sees keys (p - window, p]): the AVX512-BF16
-// tiles only (the AMX ones take no window), skipping the key blocks before row 0's window.
-template <int D, typename Out = uint16_t>
-void attend_tile_window(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
-                        int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale,
-                        int64_t q_offset, int64_t window, float* lse, int64_t tq) {
-  Tile<D> t(q + i0 * q_stride + h * D, q_stride, rows);
-  attend_keys<D>(t, kp, vp, tk, scale, true, q_offset + i0, window);
+  attend_keys<D>(t, kp, vp, tk, scale, causal, q_offset + i0, window);
   store_rows<D, Out>(t.acc, t.lsum, t.m, 0.6931471805599453f, rows, out, out_stride, h, i0, lse, tq);
 }
 
 constexpr int64_t kAmxRows = 16;   // query rows per AMX tile
+
+// A sliding window over a tile of `rows` queries, row 0 at position row0_pos (causal; 0 = none):
+// row r sees keys >= lowest(r); no row sees the key blocks before first_block, and every row
+// sees the keys from seen_by_all_from on (up to its causal limit).
+struct WindowSpan {
+  int64_t row0_pos, window, first_block, seen_by_all_from;
+  WindowSpan(bool causal, int64_t window_, int64_t row0_pos_, int64_t rows)
+      : row0_pos(row0_pos_), window(causal && window_ > 0 ? window_ : 0),
+        first_block(window ? std::max<int64_t>(0, row0_pos_ - window + 1) / kKeys : 0),
+        seen_by_all_from(window ? row0_pos_ + rows - window : 0) {}
+  int64_t lowest(int64_t r) const { return window ? row0_pos + r - window + 1 : 0; }
+};
 
 #if TM_AMX_BF16
 // AMX tiles (Sapphire Rapids and later): 16 queries a tile, two key blocks (32 keys) a pass.
@@ -304,7 +306,7 @@ inline void score_pass(const uint8_t* qbase, int64_t qstride, const uint8_t* kb8
 template <typename Out>
 void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
                        int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale,
-                       int64_t q_offset, bool causal, float* lse, int64_t tq) {
+                       int64_t q_offset, bool causal, float* lse, int64_t tq, int64_t window) {
   constexpr int D = 64;
   tokenmill_cpu::configure_tiles();
   alignas(64) float acc[kAmxRows][D];
@@ -324,8 +326,10 @@ void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, 
   const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(kp);
   const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(vp);
   const int64_t last = causal ? std::min(tk, q_offset + i0 + rows) : tk;
-  // Keys every real row sees: before the first row's causal limit, and before tk.
+  // Keys every real row sees: before the first row's causal limit, and before tk; with a window,
+  // from the last row's window start on. Passes start at row 0's window's block.
   const int64_t seen_by_all = causal ? std::min(tk, q_offset + i0 + 1) : tk;
+  const WindowSpan span(causal, window, q_offset + i0, rows);
   const __m512 log2_scale = _mm512_set1_ps(scale * 1.4426950408889634f);
   const __m512 none = _mm512_set1_ps(kNone), lazy = _mm512_set1_ps(kLazyLog2);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3F80);     // bf16 1.0
@@ -341,10 +345,10 @@ void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, 
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
-  scores(0, 0);
+  scores(span.first_block, 0);
   int buf = 0;
-  for (int64_t b = 0; b * kKeys < last; b += 2, buf ^= 1) {
-    const bool whole = rows == kAmxRows && (b + 2) * kKeys <= seen_by_all;
+  for (int64_t b = span.first_block; b * kKeys < last; b += 2, buf ^= 1) {
+    const bool whole = rows == kAmxRows && (b + 2) * kKeys <= seen_by_all && b * kKeys >= span.seen_by_all_from;
     const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(b * kKeys)));
     const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(static_cast<int32_t>(kKeys)));
     bool moved = false;
@@ -394,7 +398,9 @@ void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, 
       for (int r = 0; r < kAmxRows; ++r) {    // padding rows see no key: P 0, reference never moved
         const int64_t limit = r >= rows ? 0 : causal ? std::min(tk, q_offset + i0 + r + 1) : tk;
         const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(limit));
-        row(r, _mm512_cmplt_epi32_mask(key0, lim), _mm512_cmplt_epi32_mask(key1, lim), std::true_type());
+        const __m512i low = _mm512_set1_epi32(static_cast<int32_t>(span.lowest(r)));
+        row(r, _mm512_cmplt_epi32_mask(key0, lim) & _mm512_cmpge_epi32_mask(key0, low),
+            _mm512_cmplt_epi32_mask(key1, lim) & _mm512_cmpge_epi32_mask(key1, low), std::true_type());
       }
     }
     // The next pass's scores while P's stores reach L1 (a tile load waits for them).
@@ -446,10 +452,11 @@ void attend_tile_amx64(const uint16_t* q, int64_t q_stride, const uint16_t* kp, 
 template <int D, typename Out = uint16_t>
 void attend_tile_amx(const uint16_t* q, int64_t q_stride, const uint16_t* kp, const uint16_t* vp, Out* out,
                      int64_t out_stride, int64_t h, int64_t i0, int64_t rows, int64_t tk, float scale,
-                     int64_t q_offset, bool causal, float* lse, int64_t tq) {
+                     int64_t q_offset, bool causal, float* lse, int64_t tq, int64_t window) {
   static_assert(D % 64 == 0, "head size in whole 64-wide tile groups");
   if constexpr (D == 64) {
-    attend_tile_amx64<Out>(q, q_stride, kp, vp, out, out_stride, h, i0, rows, tk, scale, q_offset, causal, lse, tq);
+    attend_tile_amx64<Out>(q, q_stride, kp, vp, out, out_stride, h, i0, rows, tk, scale, q_offset, causal, lse, tq,
+                           window);
     return;
   }
   tokenmill_cpu::configure_tiles();
@@ -468,22 +475,25 @@ void attend_tile_amx(const uint16_t* q, int64_t q_stride, const uint16_t* kp, co
   const uint8_t* kb8 = reinterpret_cast<const uint8_t*>(kp);
   const uint8_t* vb8 = reinterpret_cast<const uint8_t*>(vp);
   const int64_t last = causal ? std::min(tk, q_offset + i0 + rows) : tk;
+  const WindowSpan span(causal, window, q_offset + i0, rows);
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   auto scores = [&](int64_t b, int buf) { score_pass<D>(qbase, qstride, kb8, b, s[buf]); };
   // Row sums stay 16 lanes wide until the end (no horizontal add per pass).
   alignas(64) float lsum[kAmxRows][16];
   for (int r = 0; r < kAmxRows; ++r) _mm512_store_ps(lsum[r], _mm512_setzero_ps());
-  scores(0, 0);
+  scores(span.first_block, 0);
   int buf = 0;
-  for (int64_t b = 0; b * kKeys < last; b += 2, buf ^= 1) {
+  for (int64_t b = span.first_block; b * kKeys < last; b += 2, buf ^= 1) {
     const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(b * kKeys)));
     const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(static_cast<int32_t>(kKeys)));
     for (int r = 0; r < kAmxRows; ++r) {
       // Padding rows see no key (their probabilities stay 0; nothing of them is stored).
       const int64_t limit = r >= rows ? 0 : causal ? std::min(tk, q_offset + i0 + r + 1) : tk;
       const __m512i lim = _mm512_set1_epi32(static_cast<int32_t>(limit));
-      const __mmask16 vis0 = _mm512_cmplt_epi32_mask(key0, lim), vis1 = _mm512_cmplt_epi32_mask(key1, lim);
+      const __m512i low = _mm512_set1_epi32(static_cast<int32_t>(span.lowest(r)));
+      const __mmask16 vis0 = _mm512_cmplt_epi32_mask(key0, lim) & _mm512_cmpge_epi32_mask(key0, low);
+      const __mmask16 vis1 = _mm512_cmplt_epi32_mask(key1, lim) & _mm512_cmpge_epi32_mask(key1, low);
       const __m512 none = _mm512_set1_ps(kNone);
       const __m512 s0 = _mm512_mask_mul_ps(none, vis0, _mm512_load_ps(s[buf][0][r]), vscale);
       const __m512 s1 = _mm512_mask_mul_ps(none, vis1, _mm512_load_ps(s[buf][1][r]), vscale);

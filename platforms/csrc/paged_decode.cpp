@@ -781,7 +781,7 @@ bool shared_prefix_bf16(const float* q, const KV* kv, const int32_t* blocks, int
     const int64_t g = item / tiles, i0 = (item % tiles) * tile_rows;
     tf::tile_kernel<D, float>(amx)(
         qd + g * rows * D, D, kd + g * head, vd + g * head, od + g * rows * D, D, 0, i0, std::min(tile_rows, rows - i0),
-        prefix_len, scale * k_scale, 0, false, ld + g * rows, rows);
+        prefix_len, scale * k_scale, 0, false, ld + g * rows, rows, 0);
   }
   for (int64_t g = 0; g < num_kv_heads; ++g)
     for (int64_t r = 0; r < rows; ++r) {
