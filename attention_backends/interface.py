@@ -12,7 +12,7 @@ Sequences are ordered decodes first (query length 1), then prefill chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -61,6 +61,9 @@ class AttentionMetadata:
     # Hybrid KV (core/kv_groups.py): the batch once per layer group, with that group's block_tables
     # and slot_mapping; each attention layer reads its group's. None: one group, this metadata.
     groups: Optional[list["AttentionMetadata"]] = None
+    # Recurrent layers (linear attention, state-space: core/state_cache.py RecurrentBatch): each
+    # entry's state slot and start. None: the model has none. Attention backends never read it.
+    state: Any = None
 
     @property
     def num_seqs(self) -> int:

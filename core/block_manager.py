@@ -12,6 +12,10 @@ released with nothing cached in it (a partial last block, any block once the cac
 off) goes to the front instead: it is taken before blocks never used, whose memory the device
 has not touched yet (a CPU pool's pages fault in on first write, a cost every run would pay again
 if it took fresh blocks), and before cached ones.
+
+A model with recurrent layers (core/state_cache.py) also holds one state slot per sequence: taken
+with its first blocks, released with its blocks (finish, abort, preemption), and a sequence is not
+admitted while no slot is free.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Optional
 
 from .kv_groups import NULL_BLOCK, KVLayout
 from .sequence import Sequence
+from .state_cache import StateSlots
 
 
 def chain_hash(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
@@ -38,9 +43,10 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 layout: Optional[KVLayout] = None, window_margin: int = 0) -> None:
+                 layout: Optional[KVLayout] = None, window_margin: int = 0, state_slots: int = 0) -> None:
         """`layout`: the model's KV groups (one group when None or not hybrid). `window_margin`:
-        tokens kept beyond a window, for positions a speculative rollback may recompute."""
+        tokens kept beyond a window, for positions a speculative rollback may recompute.
+        `state_slots`: the recurrent-state slots of a hybrid model (0: it has no recurrent layers)."""
         self.layout = layout if layout is not None and layout.hybrid else None
         self.windows = [g.window for g in self.layout.groups] if self.layout else [None]
         reserved = 1 if self.layout else 0          # the null block
@@ -56,6 +62,7 @@ class BlockManager:
         # Counters, in tokens, mirroring vLLM's prefix_cache_queries/hits.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.state_slots = StateSlots(state_slots) if state_slots else None
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -88,6 +95,8 @@ class BlockManager:
         return sum(max(0, total - len(table)) for table in self.tables(seq))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        if self.state_slots is not None and seq.state_slot < 0 and not self.state_slots.num_free:
+            return False          # no recurrent-state slot for a sequence that has none yet
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
 
     # ------------------------------------------------------------------ prefix cache
@@ -206,6 +215,8 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > len(self.free_blocks):
             raise RuntimeError(f"out of KV blocks: need {needed}, have {len(self.free_blocks)}")
+        if self.state_slots is not None and seq.state_slot < 0:
+            seq.state_slot = self.state_slots.take()      # its state starts empty (the entry's start is 0)
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         for table in self.tables(seq):
             while len(table) < total:
@@ -224,6 +235,9 @@ class BlockManager:
         seq.group_tables = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        if self.state_slots is not None and seq.state_slot >= 0:   # the state goes with the blocks
+            self.state_slots.release(seq.state_slot)
+            seq.state_slot = -1
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the K/V of seq's first `num_tokens` tokens (speculation rolled back): the
@@ -297,3 +311,7 @@ class BlockManager:
                 f"block {block.block_id}: ref_count {block.ref_count} != owners {owners[block.block_id]}")
             assert (block.ref_count == 0) == (block.block_id in self.free_blocks)
         assert self.num_free_blocks + sum(1 for b in self.blocks if b.ref_count > 0) == self.num_blocks
+        if self.state_slots is not None:
+            held = [seq.state_slot for seq in live if seq.state_slot >= 0]
+            assert len(set(held)) == len(held), "a state slot held by two sequences"
+            assert sorted(held + self.state_slots.free) == list(range(self.state_slots.num_slots))

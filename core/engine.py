@@ -66,6 +66,9 @@ class LLMEngine:
         start = time.perf_counter()
         # With tp/pp > 1 the workers build their shards: here only the metadata (tokenizer, config).
         bundle = load_model(config, self.platform, self._choose_backend, build=config.parallel.world_size == 1)
+        family_check = getattr(discovery.model_architectures().get(bundle.architecture), "check_engine_config", None)
+        if family_check is not None:    # what a family refuses or turns off (hybrid models: core/models/qwen3_next.py)
+            family_check(config)
         self.bundle, self.tokenizer = bundle, bundle.tokenizer
         self.weight_dtype, self.dtype = bundle.weight_dtype, bundle.dtype
         self.pooler_config = pooler = bundle.pooler_config     # set: a pooling run (embeddings), no sampling
@@ -80,7 +83,8 @@ class LLMEngine:
         self.runner, self.num_kv_blocks = self.executor.runner, self.executor.num_blocks   # runner: None at tp/pp > 1
         margin = config.speculative.num_speculative_tokens if config.speculative.method else 0
         block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
-                                     self.executor.kv_layout, window_margin=margin)
+                                     self.executor.kv_layout, window_margin=margin,
+                                     state_slots=getattr(self.executor, "state_slots", 0))
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
         self.executor.lora = self.scheduler.lora = self.lora   # slots taken at admission; a row mapping per step

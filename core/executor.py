@@ -38,6 +38,7 @@ class UniProcExecutor(Executor):
         self.bytes_per_block = runner.bytes_per_block
         self.kv_cache_dtype = runner.kv_cache_dtype
         self.kv_layout = runner.kv_layout
+        self.state_slots = runner.num_state_slots     # recurrent-state slots (hybrid models), 0: none
 
     def execute(self, batch: "ScheduledBatch") -> "StepOutput":
         return self.runner.execute(batch)

@@ -23,6 +23,7 @@ from .kv_groups import KVLayout, MLAKVSpec, kv_layout
 from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
 from .sequence import Sequence
+from .state_cache import RecurrentBatch, StateCache, StateLayout, state_layout_of
 from .step import ScheduledBatch, StepInputs, StepOutput
 
 logger = logging.getLogger("tokenmill.model_runner")
@@ -81,12 +82,17 @@ class ModelRunner:
         # A layer's own cache geometry where it is not keys and values per KV head (MLA's latent rows).
         self.kv_spec: Optional[MLAKVSpec] = getattr(self.layers[0], "kv_spec", None)
         self.bytes_per_block = self._bytes_per_block()
+        # Recurrent layers (linear attention, state-space): a state per sequence slot, from the same budget.
+        recurrent = state_layout_of(model)
+        self.recurrent_layers, self.state_layout = recurrent if recurrent else ([], None)
+        self.state_cache: Optional[StateCache] = None
         override = config.cache.num_gpu_blocks_override
         if override is not None:
             self.num_blocks = override
         else:
             self.num_blocks = platform.memory_profiler().num_kv_blocks(
                 config, self.bytes_per_block, self._profile_forward)
+        self.num_state_slots = self._carve_state_slots(override is None) if self.state_layout else 0
         # Every rank holds the same block ids: the smallest pool any rank can afford wins.
         self.num_blocks = distributed.min_over_ranks(self.num_blocks)
         if self.num_blocks <= 0:
@@ -106,8 +112,14 @@ class ModelRunner:
         one_table = self.kv_layout.hybrid and not self.decode_program.reads_kv_groups
         if one_table and self.pooler is None:
             self.decode_program.eager_reason = "hybrid KV groups: a block table per layer group"
+        if self.state_layout is not None and self.decode_program.name != "none":
+            kinds = "/".join(sorted({s.kind for s in self.state_layout.specs}))
+            self.decode_program.eager_reason = (f"{len(self.recurrent_layers)} recurrent ({kinds}) layers: no decode "
+                                                "program carries their per-sequence state yet")
+        eager = (one_table and self.pooler is None) or self.state_layout is not None
+        if eager and self.decode_program.eager_reason:
             logger.info("%s: running the model eagerly: %s", self.decode_program.name, self.decode_program.eager_reason)
-        self.forward = (self._forward_eager if self.pooler is not None or one_table
+        self.forward = (self._forward_eager if self.pooler is not None or eager
                         else self.decode_program.build(self._forward_eager, self.model_view()))
         self.profile: Optional[StepProfile] = None     # set by `bench --profile`: where step time goes
 
@@ -144,7 +156,23 @@ class ModelRunner:
                          max_blocks_per_seq=self.max_blocks_per_seq, max_num_seqs=self.max_num_seqs,
                          device=torch.device(self.device), world_size=parallel.world_size)
 
-    # ------------------------------------------------------------------ KV pool
+    # ------------------------------------------------------------------ KV pool and state slots
+    def _carve_state_slots(self, from_budget: bool) -> int:
+        """Sequence slots for the recurrent layers' states, taken from the KV budget (up to half of it;
+        with num_gpu_blocks_override, beside the blocks): max_num_seqs is capped at the slots."""
+        layout: StateLayout = self.state_layout
+        budget = self.num_blocks * self.bytes_per_block
+        slots = layout.num_slots(budget, self.max_num_seqs) if from_budget else self.max_num_seqs
+        if slots <= 0:
+            raise ValueError(f"no room for one sequence's recurrent state ({layout.bytes_per_seq} bytes) in the "
+                             f"{budget} bytes of cache memory (raise kv_cache_memory / gpu_memory_utilization)")
+        if from_budget:
+            self.num_blocks = (budget - slots * layout.bytes_per_seq) // self.bytes_per_block
+        logger.info(layout.describe(slots, budget, self.max_num_seqs))
+        self.max_num_seqs = self.config.scheduler.max_num_seqs = min(self.max_num_seqs, slots)
+        self.state_cache = StateCache(self.recurrent_layers, layout, slots, self.platform.zeros)
+        return slots
+
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         if self.kv_spec is not None:
             return self.kv_spec.cache_shape(num_blocks, self.block_size)
@@ -171,6 +199,9 @@ class ModelRunner:
         self._allocate_kv_cache(num_blocks)
         meta = self._metadata([num_tokens], [num_tokens], [list(range(num_blocks))],
                               list(range(num_tokens)), num_decodes=0)
+        if self.state_layout is not None:      # one slot's state, dropped with this pass
+            StateCache(self.recurrent_layers, self.state_layout, 1, self.platform.zeros)
+            meta.state = RecurrentBatch([0], [0], torch.zeros(1, dtype=torch.long, device=self.device))
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode():
@@ -268,6 +299,10 @@ class ModelRunner:
             step.metadata.groups = [step.metadata] + [
                 self._metadata(query_lens, seq_lens, group_tables[g], group_slots[g], inputs.num_decodes)
                 for g in range(groups - 1)]
+        if self.state_cache is not None:     # each entry's state slot, checked against what it holds
+            step.metadata.state = self.state_cache.batch(
+                [e.state_slot for e in inputs.entries], [e.start for e in inputs.entries],
+                query_lens, inputs.num_decodes, dev)
         if self.lora is not None:      # one mapping per step: which rows run on which adapter slot
             self.lora.set_mapping([(entry.lora_slot, entry.num_tokens) for entry in inputs.entries])
         return step

@@ -68,6 +68,8 @@ class Sequence:
         self.lora_request: Any = None
         self.lora_slot = -1
         self.cache_salt: Optional[int] = None
+        # A hybrid model's recurrent-state slot (core/state_cache.py), held with the blocks; -1: none.
+        self.state_slot = -1
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

@@ -44,6 +44,7 @@ class EntryInput:
     pooling: bool = False       # a pooling sequence (in-process only: the pooler keeps state on it)
     lora_slot: int = -1         # the LoRA adapter slot its rows run on (core/lora/), -1: the base model
     group_tables: list[list[int]] = field(default_factory=list)   # hybrid KV: the other groups' tables
+    state_slot: int = -1        # recurrent layers' state slot (core/state_cache.py), -1: none
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +74,7 @@ class StepInputs:
             if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
             entries.append(EntryInput(start, ids, seq.block_table, sample, prompt_rows, seq.pooling is not None,
-                                      seq.lora_slot, seq.group_tables))
+                                      seq.lora_slot, seq.group_tables, seq.state_slot))
         return cls(entries, batch.num_decodes)
 
     def split(self, parts: int) -> list["StepInputs"]:

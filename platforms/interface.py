@@ -112,7 +112,9 @@ class LayerKernels:
     (1 + w), scaled in float32), rotary(positions, x, cos_sin_cache, rotary_dim=None, interleaved=False)
     (partial or GPT-J rotary), silu_and_mul(x),
     gelu_tanh_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
-    layer's experts; core/layers/moe.py moe_reference is the contract). Dense matmuls are objects
+    layer's experts; core/layers/moe.py moe_reference is the contract), gated_delta_rule(q, k, v, g, beta,
+    state, chunked) (a Gated DeltaNet layer's recurrence; core/layers/gated_deltanet.py
+    gated_delta_rule_reference is the contract). Dense matmuls are objects
     with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:
     `linear` for the layers kept unquantized, `lm_head` for the vocabulary projection. A quantized
     layer's matmul is its quantization method's `apply` (with the platform's QuantKernels);
@@ -122,6 +124,7 @@ class LayerKernels:
     silu_and_mul: Optional[Callable[..., Any]] = None
     gelu_tanh_and_mul: Optional[Callable[..., Any]] = None
     moe: Optional[Callable[..., Any]] = None
+    gated_delta_rule: Optional[Callable[..., Any]] = None
     linear: Any = None
     lm_head: Any = None
 

@@ -14,6 +14,7 @@ from tokenmill.platforms.interface import LayerKernels
 
 from .activation import GatedActivation, SiluAndMul
 from .embedding import LMHead
+from .gated_deltanet import GatedDeltaNet
 from .linear import Linear
 from .moe import FusedMoE
 from .norm import RMSNorm
@@ -25,6 +26,7 @@ LAYER_KINDS: dict[str, type[nn.Module]] = {
     "silu_and_mul": SiluAndMul,
     "gelu_tanh_and_mul": GatedActivation,
     "moe": FusedMoE,
+    "gated_delta_rule": GatedDeltaNet,
     "linear": Linear,
     "lm_head": LMHead,
 }
