@@ -13,7 +13,7 @@ import torch
 
 from .native_build import NativeLibrary, source
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 Q4, BF16, Q8, S8 = 0, 1, 2, 5
 
@@ -37,7 +37,8 @@ class NativeLayer(ctypes.Structure):
                 + [(name, _I) for name in ("window", "group", "norm_kind", "qk_norm", "rope_gptj", "rotary_dim",
                                            "activation", "gated", "parallel_block")]
                 + [(name, _F) for name in ("residual_scale", "attn_scale", "k_scale", "v_scale", "act_alpha_p",
-                                           "act_alpha_n", "act_beta", "act_eps", "attn_softcap")])
+                                           "act_alpha_n", "act_beta", "act_eps", "attn_softcap")]
+                + [("moe", _P)])       # FusedMoeFfn (platforms/cpu_fused_moe.py) or null
 
 
 class NativeModel(ctypes.Structure):

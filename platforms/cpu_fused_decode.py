@@ -36,8 +36,9 @@ import torch
 from tokenmill.quantization.interface import AffineGroups, Int8Channels, PlatformPacked
 
 from .interface import DecoderLayerSpec, DecoderStackSpec, DecodeProgram, LayerStructure, ModelView
-from .cpu_native_layers import (ACTIVATIONS, NORM_KINDS, QK_NORMS, layer_refusals, linear_shape, outside_vocabulary,
-                                ranges)
+from .cpu_fused_moe import pack_moe
+from .cpu_native_layers import (ACTIVATIONS, NORM_KINDS, QK_NORMS, dense_linears, layer_refusals, linear_shape,
+                                outside_vocabulary, ranges)
 from .cpu_decode_kernels import (BF16, LIBRARY, Q4, PackedBf16, S8Weight, NativeLayer, NativeLinear, NativeModel,
                                  NativeStep,
                                  pack_bf16, pack_q4, pack_s8, pack_s8_weight, s8_linear)
@@ -207,8 +208,12 @@ class _FusedStep:
             setattr(slot, f"{name}_bias", self._f32(bias) if bias is not None else None)
         slot.q_norm = self._norm(layer.q_norm, s) if layer.q_norm is not None else None
         slot.k_norm = self._norm(layer.k_norm, s) if layer.k_norm is not None else None
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in dense_linears(layer):
             setattr(slot, name, self._linear(getattr(layer, name), weight_format, f"layer {i} {name}"))
+        if layer.moe is not None:         # an expert FFN: its experts as the moe kernel packed them
+            ffn = pack_moe(layer.moe, lambda linear, name: self._linear(linear, weight_format, f"layer {i} {name}"),
+                           self._keep)
+            slot.moe = ctypes.addressof(ffn)
         slot.window = int(layer.attention.sliding_window or 0)
         slot.group = int(getattr(layer.attention, "kv_group", 0))
         slot.norm_kind = NORM_KINDS[s.norm]
@@ -241,7 +246,7 @@ class _FusedStep:
         for i, layer in enumerate(spec.layers):
             if not self._native[i]:
                 continue
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in dense_linears(layer):
                 linear = getattr(layer, name)
                 kept = linear.quant_method.weight_form(linear, PlatformPacked)       # S8Weight, used in place
                 found = kept.parts if kept is not None else None
@@ -256,7 +261,7 @@ class _FusedStep:
             layers[i] = NativeLayer.from_buffer_copy(slot)
             if not self._native[i]:
                 continue
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in dense_linears(spec.layers[i]):
                 weight = parts[i, name]
                 self._keep.extend(weight.tensors)
                 packed = NativeLinear.from_buffer_copy(weight.linear)

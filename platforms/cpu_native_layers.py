@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .cpu_decode_kernels import ROWS
+from .cpu_fused_moe import moe_refusals, shared_shapes_fit
 from .interface import DecoderLayerSpec, DecoderStackSpec, LayerStructure
 
 
@@ -20,7 +21,7 @@ NATIVE_VALUES: dict[str, tuple] = {
     "attention_sinks": (False,),
     "attention": ("mha",),
     "activation": ("silu", "gelu_tanh", "gelu", "xielu"),
-    "ffn": ("dense", "plain"),
+    "ffn": ("dense", "plain", "moe"),
     "qk_norm": ("none", "head", "projection"),
 }
 NORM_KINDS = {"rms": 0, "layer": 1, "layer_nobias": 1}
@@ -36,16 +37,24 @@ def layer_refusals(layer: DecoderLayerSpec) -> list[str]:
            if f.name in NATIVE_VALUES and getattr(structure, f.name) not in NATIVE_VALUES[f.name]]
     if structure.qk_norm != "none" and structure.norm != "rms":
         out.append(f"qk_norm {structure.qk_norm} with norm {structure.norm}")
+    moe = structure.ffn == "moe"
+    if moe:
+        out += moe_refusals(layer)
     if out:
         return out
     impl = layer.attention.impl
     if impl.native_decode_fn(layer.attention.kv_cache) is None:
         out.append(f"attention backend {impl.name!r} has no native decode for this cache")
-    for name in ("qkv", "o", "gate_up", "down"):
+    for name in dense_linears(layer):
         shape = linear_shape(getattr(layer, name))
         if shape[0] % ROWS or shape[1] % 32:
             out.append(f"{name} {shape[0]}x{shape[1]} outside blocks of 16 x 32")
-    return out
+    return out + (shared_shapes_fit(getattr(layer, "moe", None), linear_shape) if moe else [])
+
+
+def dense_linears(layer: DecoderLayerSpec) -> tuple[str, ...]:
+    """The layer's linears the step packs as its own (an expert FFN brings its experts packed)."""
+    return ("qkv", "o") if layer.structure.ffn == "moe" else ("qkv", "o", "gate_up", "down")
 
 
 def outside_vocabulary(spec: DecoderStackSpec) -> list[str]:

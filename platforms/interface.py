@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.quantization.interface import QuantKernels
 
-from .layer_spec import LLAMA_LAYER, DecoderLayerSpec, DecoderStackSpec, LayerStructure  # noqa: F401 (re-exported)
+from .layer_spec import LLAMA_LAYER, DecoderLayerSpec, DecoderStackSpec, LayerStructure, MoeSpec  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # the core's config, only for type hints: platforms import nothing upward
     from tokenmill.core.config import EngineConfig

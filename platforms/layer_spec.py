@@ -36,6 +36,34 @@ LLAMA_LAYER = LayerStructure()
 
 
 @dataclass
+class MoeSpec:
+    """An expert FFN (structure.ffn "moe") as a decode program reads it: the router (select_experts'
+    switches in core/layers/moe.py), the stacked experts and what the platform's moe kernel made
+    of them, and a shared expert every token runs."""
+    router: Any                                # Linear [num_experts, hidden] (weight, bias)
+    top_k: int
+    scoring: str                               # "softmax" | "sigmoid" | "topk_softmax"
+    renormalize: bool
+    w13: torch.Tensor                          # [E, 2 * I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor                           # [E, H, I]
+    activation: str                            # the experts' ("silu", ..., "swiglu_oai")
+    num_groups: Optional[int] = None           # grouped top-k (DeepSeek V3)
+    topk_groups: Optional[int] = None
+    correction_bias: Optional[torch.Tensor] = None   # picks experts, does not weight them
+    routed_scaling_factor: float = 1.0
+    weights_in_hidden_dtype: bool = False      # routing weights rounded to the activations' dtype
+    w13_bias: Optional[torch.Tensor] = None
+    w2_bias: Optional[torch.Tensor] = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # The platform moe kernel's packed experts (its `prepare`), None where no kernel packed them.
+    prepared: Any = None
+    shared_gate_up: Any = None                 # the shared expert's [gate | up] Linear (None: none)
+    shared_down: Any = None
+    shared_gate: Any = None                    # Linear [1, hidden]: shared output times sigmoid(gate(x))
+
+
+@dataclass
 class DecoderLayerSpec:
     """One decoder layer as a decode program reads it: its tensors and its `structure`. With the
     default structure: x += o(attn(rope(qkv(norm(x))))); x += down(silu(gate) * up) of
@@ -61,6 +89,7 @@ class DecoderLayerSpec:
     # The layer as the eager model runs it: (positions, hidden, residual, attn_metadata) -> (delta,
     # stream before it), for a program that runs the layers it cannot express eagerly in between.
     eager: Optional[Callable[..., tuple[torch.Tensor, torch.Tensor]]] = None
+    moe: Optional[MoeSpec] = None                 # the expert FFN where structure.ffn is "moe"
 
 
 @dataclass

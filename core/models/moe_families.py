@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from tokenmill.platforms.interface import LayerStructure
+from tokenmill.platforms.interface import DecoderStackSpec, LayerStructure, MoeSpec
 from tokenmill.quantization.interface import QuantizationMethod
 
 from ..layers.moe import HF_EXPERT_NAMES, MIXTRAL_EXPERT_NAMES, FusedMoE, expert_checkpoint_target
@@ -20,13 +20,14 @@ from .llama import LlamaForCausalLM
 MOE_FEATURES: dict[str, tuple[bool, str]] = {
     **LlamaForCausalLM.features,
     "tp": (True, "heads, each expert's and the shared expert's intermediate size split over ranks "
-                 "(every rank holds every expert)"),
+                 "(every rank holds every expert); enable_expert_parallel: whole experts, E / tp per rank"),
     "lora": (False, "experts: not supported"),
     "quantization": (True, "int4 / int8 quantize the experts too, GGUF files keep their experts' blocks "
                            "(quantization='gguf'): the cpu native MoE op runs them; fp8 keeps them float8 for the "
                            "torch op; quantized HF checkpoints' experts are refused"),
-    "fast_path": (False, "decode steps run MoE layers eagerly (the cpu native step does not express expert "
-                         "FFNs); dense layers of a model that has some run natively between them"),
+    "fast_path": (True, "decoder_stack(): the cpu native step runs expert FFNs (router, top-k, the native MoE "
+                        "op, shared expert) where the platform's MoE op packed the experts (bf16, int4, int8, "
+                        "GGUF); elsewhere MoE layers run eagerly between native dense layers"),
 }
 
 
@@ -81,9 +82,31 @@ class MoeForCausalLM(LlamaForCausalLM):
                         renormalize=cls.renormalize(config), weights_in_hidden_dtype=cls.weights_in_hidden_dtype,
                         shared_expert=shared, shared_expert_gate=shared is not None)
 
+    def decoder_stack(self) -> DecoderStackSpec:
+        """Llama's spec with each sparse layer's expert FFN (platforms/layer_spec.py MoeSpec)."""
+        spec = super().decoder_stack()
+        for layer_spec, layer in zip(spec.layers, self.model.layers):
+            if isinstance(layer.mlp, FusedMoE):
+                layer_spec.moe = moe_spec(layer.mlp)
+        return spec
+
     def stacked_target(self, name: str) -> Optional[tuple[str, Any]]:
         """(parameter, shard id) of an expert's checkpoint tensor; None for every other tensor."""
         return expert_checkpoint_target(name, self.expert_names)
+
+
+def moe_spec(moe: FusedMoE) -> MoeSpec:
+    """A FusedMoE as a decode program reads it: its router's switches, experts, the platform
+    kernel's packed experts and its shared expert."""
+    shared = moe.shared_expert
+    return MoeSpec(
+        router=moe.gate, top_k=moe.top_k, scoring=moe.scoring, renormalize=moe.renormalize, w13=moe.w13, w2=moe.w2,
+        activation=moe.activation, num_groups=moe.num_groups, topk_groups=moe.topk_groups,
+        correction_bias=getattr(moe.gate, "e_score_correction_bias", None),
+        routed_scaling_factor=moe.routed_scaling_factor, weights_in_hidden_dtype=moe.weights_in_hidden_dtype,
+        w13_bias=moe.w13_bias, w2_bias=moe.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
+        prepared=moe._prepared, shared_gate_up=getattr(shared, "up", None), shared_down=getattr(shared, "down", None),
+        shared_gate=moe.shared_expert_gate)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -14,7 +14,9 @@
 // (first_layer > 0 reads the residual stream from `stream`, last_layer < num_layers writes it there).
 //
 // The same matmuls also serve one mixture-of-experts layer's experts per call (fused_moe: tokens
-// sorted by expert, each active expert's weights read once, for platforms/cpu_moe.py).
+// sorted by expert, each active expert's weights read once, for platforms/cpu_moe.py), and a
+// layer's FFN may be such an expert FFN inside the step (FusedLayer.moe: router, top-k, fused_moe,
+// shared expert).
 //
 // Why: a one-token step through torch is ~1,300 small ops, ctypes calls and Python across 30
 // layers, more time than the arithmetic. Here the Python side makes one call per step.
@@ -92,6 +94,42 @@ struct FusedLinear {
   const float* bias;        // [n] or null
 };
 
+// One mixture-of-experts layer's experts (fused_moe). w13[e]: expert e's gate rows then up rows
+// (n = 2 * inter, k = hidden); w2[e]: its down projection (n = hidden, k = inter). Every w13 of
+// a layer has one kind, every w2 one kind (they may differ: GGUF files mix them).
+struct FusedMoeLayer {
+  int64_t num_experts, hidden, inter, activation;   // activation: moe_activate's codes
+  const FusedLinear* w13;
+  const FusedLinear* w2;
+  const float* b13;         // [num_experts, 2 * inter] gate then up biases, or null (GPT-OSS has them)
+  const float* b2;          // [num_experts, hidden], or null
+  float alpha, limit;       // activation 4's constants
+};
+
+// A layer's expert FFN inside the step (FusedLayer.moe, platforms/cpu_fused_moe.py): the router
+// (logits = x W^T + bias; with bf16 weights x and the logits rounded to bf16, as torch's bf16
+// linear gives them), scores by softmax or sigmoid, the top_k by score (+ correction bias, which
+// picks experts without weighting them; DeepSeek's groups: only the best topk_groups of num_groups
+// groups eligible), renormalized, times routed_scaling, rounded to bf16 where the model multiplies
+// them in bf16; the experts (fused_moe); a shared expert every token runs, times sigmoid of its
+// gate where it has one.
+struct FusedMoeFfn {
+  FusedMoeLayer experts;
+  const void* router;             // [num_experts, hidden] float32, or bf16 (router_bf16)
+  const float* router_bias;       // [num_experts] or null
+  const float* correction_bias;   // [num_experts] or null
+  int64_t router_bf16;
+  int64_t top_k;                  // <= 64
+  int64_t scoring;                // 0 softmax, 1 sigmoid
+  int64_t renormalize;
+  int64_t num_groups, topk_groups;   // num_groups <= 1: no groups
+  int64_t round_weights;          // 1: routing weights rounded to bf16 before they multiply
+  float routed_scaling;
+  FusedLinear shared_gate_up;     // the shared expert's [gate | up] (n 0: no shared expert)
+  FusedLinear shared_down;
+  const void* shared_gate;        // [hidden] weight of its sigmoid gate (as the router's dtype), or null
+};
+
 // One layer. Norm weights are float32 [hidden] (null: no norm in that slot); biases null unless
 // norm_kind is 1 (LayerNorm with bias).
 struct FusedLayer {
@@ -122,6 +160,7 @@ struct FusedLayer {
   float k_scale, v_scale;         // an fp8 cache's per-tensor scales (1 for other caches)
   float act_alpha_p, act_alpha_n, act_beta, act_eps;   // xIELU's constants (softplus applied)
   float attn_softcap;             // attention logit soft-cap, 0 = none
+  const FusedMoeFfn* moe;         // an expert FFN instead of gate_up / down (null: dense or plain)
 };
 
 struct FusedModel {
@@ -853,22 +892,79 @@ void moe_rows(const FusedLinear& w, int64_t b, int64_t nb, const QuantizedInput&
   }
 }
 
-// The activation a matmul of this kind reads: int8 groups, or bf16 for BF16 weights.
+// The activation a matmul of this kind reads: int8 groups, or bf16 for BF16 weights (then 16
+// zero rows past the last, which AMX tiles may read).
 void moe_input(const FusedLinear& w, const float* x, int64_t rows, QuantizedInput& in) {
-  if (w.kind == 1)
+  if (w.kind == 1) {
     round_bf16(x, rows * w.k, in, rows);
-  else
+    in.bf16.resize((rows + 16) * w.k, 0);
+    std::fill(in.bf16.begin() + rows * w.k, in.bf16.end(), 0);
+  } else {
     quantize_q8(x, rows, w.k, in);
+  }
 }
 
 // Blocks of 16 rows a work item covers: 64 output rows, so a one-token step of a layer with
 // 8 experts x (512 + 1024) rows has a few hundred items to share among the threads.
 constexpr int64_t kMoeItemBlocks = 4;
 
+#if TM_AMX_BF16
+// BF16 experts on AMX tiles: items (expert, chunk of kAmxChunkTiles token tiles of its rows, pair
+// of row blocks), as amx_bf16_run runs one matrix. A tile's 16 rows may run past the expert's
+// rows into the next expert's (or the zero padding after the last): their outputs are dropped.
+// in.bf16 holds 16 rows of padding past the last (moe_input_padded).
+void moe_matmul_amx(const FusedLinear* experts, const std::vector<int64_t>& active, const std::vector<int64_t>& start,
+                    const QuantizedInput& in, float* y) {
+  const FusedLinear& first = experts[active[0]];
+  const int64_t n = first.n, k = first.k, blocks = n / kRows, block_pairs = (blocks + 1) / 2;
+  thread_local std::vector<int64_t> item_start;       // each active expert's first item
+  item_start.assign(1, 0);
+  for (int64_t e : active) {
+    const int64_t tiles = (start[e + 1] - start[e] + 15) / 16;
+    item_start.push_back(item_start.back() + (tiles + kAmxChunkTiles - 1) / kAmxChunkTiles * block_pairs);
+  }
+  const int64_t items = item_start.back();
+  const int64_t* item_of = item_start.data();
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(in.bf16.data());
+#pragma omp parallel
+  {
+    tm::configure_tiles();
+    alignas(64) float scratch[16 * 16];
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t i = std::upper_bound(item_of, item_of + active.size() + 1, item) - item_of - 1;
+      const int64_t e = active[i], local = item - item_of[i];
+      const int64_t r0 = start[e], rows = start[e + 1] - r0;
+      const FusedLinear& w = experts[e];
+      const AmxOperands op{a + r0 * k * 2, nullptr, INT64_MAX, rows, y + r0 * n, nullptr, nullptr};
+      const int64_t b = 2 * (local % block_pairs), chunk = local / block_pairs;
+      const bool two_blocks = b + 1 < blocks;
+      const int64_t end = std::min((rows + 15) / 16, (chunk + 1) * kAmxChunkTiles);
+      for (int64_t tile = chunk * kAmxChunkTiles; tile < end; tile += 2) {
+        const int64_t t0 = 16 * tile;
+        const bool two_tiles = tile + 1 < end;
+        if (two_blocks && two_tiles) amx_bf16_item<true, true>(w, op, b, t0, scratch);
+        else if (two_blocks) amx_bf16_item<true, false>(w, op, b, t0, scratch);
+        else if (two_tiles) amx_bf16_item<false, true>(w, op, b, t0, scratch);
+        else amx_bf16_item<false, false>(w, op, b, t0, scratch);
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
 // One matmul over every expert that has tokens: items (expert, kMoeItemBlocks row blocks) shared
-// among the threads, each over all of its expert's rows (start[e] .. start[e + 1]).
+// among the threads, each over all of its expert's rows (start[e] .. start[e + 1]). BF16 experts
+// run on AMX tiles where the CPU has them (moe_matmul_amx).
 void moe_matmul(const FusedLinear* experts, const std::vector<int64_t>& active, const std::vector<int64_t>& start,
                 const QuantizedInput& in, float* y) {
+#if TM_AMX_BF16
+  if (experts[active[0]].kind == 1 && amx_ready()) {
+    moe_matmul_amx(experts, active, start, in, y);
+    return;
+  }
+#endif
   const int64_t blocks = experts[active[0]].n / kRows;
   const int64_t per_expert = (blocks + kMoeItemBlocks - 1) / kMoeItemBlocks;
   const int64_t items = static_cast<int64_t>(active.size()) * per_expert;
@@ -919,13 +1015,17 @@ struct MoeScratch {
 struct Scratch {
   std::vector<float> residual, normed, qkv, q, k, v, attn, proj, gate_up, act, ffn;
   QuantizedInput in;
+  // An expert FFN's: the router's input and logits, each token's experts and weights, the shared
+  // expert's rows.
+  std::vector<float> router_x, logits, choice, route_weights, shared_gate_up, shared_act, shared;
+  std::vector<int64_t> route_ids;
 };
 
 }  // namespace
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 6; }
+int tokenmill_kernels_abi_version() { return 7; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI: always, a build without it is refused); bit 1: BF16
 // matmuls (AVX512-BF16); bit 2: those on AMX tiles. Callers check a bit before using its kinds.
@@ -977,18 +1077,6 @@ void fused_matmul(const FusedLinear* w, const float* x, int64_t tokens, float* y
   thread_local QuantizedInput in;
   matmul(*w, x, tokens, y, in);
 }
-
-// One mixture-of-experts layer's experts (fused_moe). w13[e]: expert e's gate rows then up rows
-// (n = 2 * inter, k = hidden); w2[e]: its down projection (n = hidden, k = inter). Every w13 of
-// a layer has one kind, every w2 one kind (they may differ: GGUF files mix them).
-struct FusedMoeLayer {
-  int64_t num_experts, hidden, inter, activation;   // activation: moe_activate's codes
-  const FusedLinear* w13;
-  const FusedLinear* w2;
-  const float* b13;         // [num_experts, 2 * inter] gate then up biases, or null (GPT-OSS has them)
-  const float* b2;          // [num_experts, hidden], or null
-  float alpha, limit;       // activation 4's constants
-};
 
 // out [tokens, hidden] float32 = for each token, the sum over its top_k slots j of
 // weights[t, j] * down(act(gate x) * up x) of expert ids[t, j], added in increasing expert order
@@ -1086,6 +1174,164 @@ int64_t bf16_linear(const FusedLinear* w, const uint16_t* x, int64_t tokens, con
   (void)w, (void)x, (void)tokens, (void)bias, (void)y;
   return 0;
 #endif
+}
+
+}  // extern "C"
+
+namespace {
+
+// ---- An expert FFN inside the step (FusedMoeFfn) -----------------------------------------------
+
+// dot(x, w) over n values (a multiple of 16), w float32 or bf16.
+inline float dot_row(const float* x, const void* w, bool bf16, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  if (bf16) {
+    const uint16_t* wb = static_cast<const uint16_t*>(w);
+    for (int64_t i = 0; i < n; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i),
+                            tm::bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + i))), acc);
+  } else {
+    const float* wf = static_cast<const float*>(w);
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(wf + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// The k largest of `values` [n] (entries of `eligible` only, where given) into `top` in decreasing
+// order, an earlier index first among equals (torch.topk's order on CPU): one pass, each value
+// inserted into the kept list only when it beats its last entry.
+void top_k(const float* values, const uint8_t* eligible, int64_t n, int64_t k, int64_t* top) {
+  int64_t kept = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    if (eligible && !eligible[e]) continue;
+    const float v = values[e];
+    if (kept == k && !(v > values[top[k - 1]])) continue;
+    int64_t i = kept < k ? kept++ : k - 1;
+    for (; i > 0 && v > values[top[i - 1]]; --i) top[i] = top[i - 1];
+    top[i] = e;
+  }
+}
+
+// Each token's top_k experts (ids [tokens, top_k]) and their weights, from the router's logits
+// [tokens, num_experts] (select_experts in core/layers/moe.py, step for step).
+void moe_select(const FusedMoeFfn& f, const float* logits, int64_t tokens, int64_t* ids, float* weights,
+                std::vector<float>& scratch) {
+  const int64_t num = f.experts.num_experts, k = f.top_k;
+  const bool grouped = f.num_groups > 1;
+  scratch.resize(2 * num + f.num_groups + 2 * k);
+  float* scores = scratch.data();
+  float* choice = scores + num;
+  float* group_score = choice + num;
+  std::vector<uint8_t> eligible(grouped ? num : 0);
+  std::vector<int64_t> groups(grouped ? f.topk_groups : 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * num;
+    if (f.scoring == 0) {
+      float mx = l[0], sum = 0.0f;
+      for (int64_t e = 1; e < num; ++e) mx = std::max(mx, l[e]);
+      for (int64_t e = 0; e < num; ++e) sum += (scores[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < num; ++e) scores[e] /= sum;
+    } else {
+      for (int64_t e = 0; e < num; ++e) scores[e] = 1.0f / (1.0f + std::exp(-l[e]));
+    }
+    for (int64_t e = 0; e < num; ++e) choice[e] = scores[e] + (f.correction_bias ? f.correction_bias[e] : 0.0f);
+    int64_t* top = ids + t * k;
+    if (grouped) {
+      // A group's rank: its best expert's choice, or (with a correction bias) its best two's sum.
+      const int64_t size = num / f.num_groups;
+      for (int64_t g = 0; g < f.num_groups; ++g) {
+        int64_t best[2] = {0, 0};
+        top_k(choice + g * size, nullptr, size, 2, best);
+        group_score[g] = f.correction_bias ? choice[g * size + best[0]] + choice[g * size + best[1]]
+                                           : choice[g * size + best[0]];
+      }
+      top_k(group_score, nullptr, f.num_groups, f.topk_groups, groups.data());
+      std::fill(eligible.begin(), eligible.end(), 0);
+      for (int64_t g : groups) std::fill(eligible.begin() + g * size, eligible.begin() + (g + 1) * size, 1);
+    }
+    top_k(choice, grouped ? eligible.data() : nullptr, num, k, top);
+    float* w = weights + t * k;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += (w[j] = scores[top[j]]);
+    for (int64_t j = 0; j < k; ++j) {
+      if (f.renormalize) w[j] /= sum;
+      if (f.routed_scaling != 1.0f) w[j] *= f.routed_scaling;
+      if (f.round_weights) w[j] = tm::round_to_bf16(w[j]);
+    }
+  }
+}
+
+// Each token's experts and weights into s.route_ids / s.route_weights [tokens, top_k]; s.router_x
+// holds the router's input after (x itself, or rounded to bf16).
+const float* moe_route(const FusedMoeFfn& f, const float* x, int64_t tokens, int64_t hidden, Scratch& s) {
+  const int64_t num = f.experts.num_experts, k = f.top_k;
+  const bool bf16 = f.router_bf16;
+  // torch's bf16 router multiplies bf16 activations and rounds its logits to bf16.
+  const float* xr = x;
+  if (bf16) {
+    s.router_x.resize(tokens * hidden);
+    for (int64_t i = 0; i < tokens * hidden; ++i) s.router_x[i] = tm::round_to_bf16(x[i]);
+    xr = s.router_x.data();
+  }
+  s.logits.resize(tokens * num);
+  float* logits = s.logits.data();
+  const size_t row_bytes = bf16 ? 2 : 4;
+  const char* router = static_cast<const char*>(f.router);
+#pragma omp parallel for collapse(2) schedule(static) if (tokens * num * hidden >= (1 << 17))
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < num; ++e) {
+      float v = dot_row(xr + t * hidden, router + e * hidden * row_bytes, bf16, hidden);
+      if (f.router_bias) v += f.router_bias[e];
+      logits[t * num + e] = bf16 ? tm::round_to_bf16(v) : v;
+    }
+  s.route_ids.resize(tokens * k);
+  s.route_weights.resize(tokens * k);
+  moe_select(f, logits, tokens, s.route_ids.data(), s.route_weights.data(), s.choice);
+  return xr;
+}
+
+// The layer's expert FFN on `x` [tokens, hidden] into s.ffn: route, the experts (fused_moe), the
+// shared expert (times sigmoid of its gate) added.
+void moe_ffn(const FusedLayer& layer, const float* x, int64_t tokens, int64_t hidden, Scratch& s) {
+  const FusedMoeFfn& f = *layer.moe;
+  const bool bf16 = f.router_bf16;
+  const float* xr = moe_route(f, x, tokens, hidden, s);
+  fused_moe(&f.experts, x, tokens, f.top_k, s.route_ids.data(), s.route_weights.data(), s.ffn.data());
+  if (!f.shared_gate_up.n) return;
+  const int64_t inter = f.shared_gate_up.n / 2;
+  s.shared_gate_up.resize(tokens * 2 * inter);
+  s.shared_act.resize(tokens * inter);
+  s.shared.resize(tokens * hidden);
+  matmul(f.shared_gate_up, x, tokens, s.shared_gate_up.data(), s.in);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* gate = s.shared_gate_up.data() + t * 2 * inter;
+    activate(layer, gate, gate + inter, inter, s.shared_act.data() + t * inter);
+  }
+  matmul(f.shared_down, s.shared_act.data(), tokens, s.shared.data(), s.in);
+  for (int64_t t = 0; t < tokens; ++t) {
+    float g = 1.0f;
+    if (f.shared_gate) {
+      const float z = dot_row(xr + t * hidden, f.shared_gate, bf16, hidden);
+      g = 1.0f / (1.0f + std::exp(-(bf16 ? tm::round_to_bf16(z) : z)));
+    }
+    float* o = s.ffn.data() + t * hidden;
+    const float* sh = s.shared.data() + t * hidden;
+#pragma omp simd
+    for (int64_t c = 0; c < hidden; ++c) o[c] += g * sh[c];
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The router of an expert FFN alone (tests): ids [tokens, top_k] int64 and weights float32 as the
+// step routes x [tokens, hidden].
+void fused_moe_route(const FusedMoeFfn* f, const float* x, int64_t tokens, int64_t* ids, float* weights) {
+  thread_local Scratch scratch;
+  moe_route(*f, x, tokens, f->experts.hidden, scratch);
+  std::memcpy(ids, scratch.route_ids.data(), tokens * f->top_k * sizeof(int64_t));
+  std::memcpy(weights, scratch.route_weights.data(), tokens * f->top_k * sizeof(float));
 }
 
 // Layers [first_layer, last_layer) of one step for `a->tokens` rows, one new token each (see
@@ -1187,14 +1433,18 @@ void fused_decode_step(const FusedModel* m, const FusedStep* a) {
       }
     }
     const float* ffn_in = layer.parallel_block || layer.post_norm ? s.normed.data() : s.residual.data();
-    matmul(layer.gate_up, ffn_in, tokens, s.gate_up.data(), s.in);
-    const int64_t up_width = layer.gated ? 2 * inter : inter;
+    if (layer.moe) {
+      moe_ffn(layer, ffn_in, tokens, hidden, s);
+    } else {
+      matmul(layer.gate_up, ffn_in, tokens, s.gate_up.data(), s.in);
+      const int64_t up_width = layer.gated ? 2 * inter : inter;
 #pragma omp parallel for schedule(static) if (rows_parallel)
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* gate = s.gate_up.data() + t * up_width;
-      activate(layer, gate, layer.gated ? gate + inter : nullptr, inter, s.act.data() + t * inter);
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* gate = s.gate_up.data() + t * up_width;
+        activate(layer, gate, layer.gated ? gate + inter : nullptr, inter, s.act.data() + t * inter);
+      }
+      matmul(layer.down, s.act.data(), tokens, s.ffn.data(), s.in);
     }
-    matmul(layer.down, s.act.data(), tokens, s.ffn.data(), s.in);
 #pragma omp parallel for schedule(static) if (rows_parallel)
     for (int64_t t = 0; t < tokens; ++t) {
       float* r = s.residual.data() + t * hidden;

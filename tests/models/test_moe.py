@@ -287,7 +287,7 @@ def test_features_say_what_is_not_supported():
         features = model_features(registered[name])
         assert features["lora"] == {"supported": False, "detail": "experts: not supported"}
         assert features["quantization"]["supported"] is True and "int4 / int8" in features["quantization"]["detail"]
-        assert features["fast_path"]["supported"] is False and "eagerly" in features["fast_path"]["detail"]
+        assert features["fast_path"]["supported"] is True and "expert FFNs" in features["fast_path"]["detail"]
     assert model_features(registered["OlmoeForCausalLM"])["tp"]["supported"] is False
 
 
