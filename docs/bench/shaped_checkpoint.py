@@ -11,6 +11,14 @@ Family switches are those of the family's released models: Gemma 3 five sliding 
 to each global one, (1 + w) sandwich norms, GeGLU, q/k norms, a rope table per layer type; Phi-3 /
 Phi-4-mini partial rotary (0.75). Random weights decode random tokens: the speed of the arithmetic,
 not of any model's answers.
+
+`--family qwen3_moe` is a mixture-of-experts model sized for a small CPU instead (MOE_SIZE: Qwen3-MoE's
+switches — per-head q/k norms, every layer sparse, top-8 routing renormalized — with 48 experts of 384
+over hidden 1024 and 24 layers: 1.52 B parameters, 0.34 B of them read per token), saved in bfloat16;
+`--gguf Q4_0|Q8_0` also writes the same weights as a GGUF file (`model.Q4_0.gguf` in --out) laid out
+as llama.cpp's convert_hf_to_gguf.py writes qwen3moe (experts stacked per layer as ffn_*_exps, the
+routers and norms float32), with the default model's tokenizer, for llama.cpp and tokenmill alike
+(docs/bench/moe_gguf.py).
 """
 from __future__ import annotations
 
@@ -30,11 +38,20 @@ FAMILIES = {
     "phi3": dict(partial_rotary_factor=0.75),
     "llama": dict(),
 }
+# Families with their own size (not the default model's).
+MOE_SIZE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2, num_experts=48,
+                num_experts_per_tok=8, moe_intermediate_size=384, norm_topk_prob=True, decoder_sparse_step=1,
+                mlp_only_layers=[])
+SIZED = {"qwen3_moe": (MOE_SIZE, torch.bfloat16)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
+    parser.add_argument("--family", choices=sorted([*FAMILIES, *SIZED]), required=True)
+    parser.add_argument("--gguf", choices=["Q4_0", "Q8_0"], default=None,
+                        help="also write the weights as a GGUF file in this format (qwen3_moe)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -43,13 +60,21 @@ def main() -> None:
     from tokenmill.core.loaders.model_source import default_model_path
 
     torch.manual_seed(args.seed)
-    config = transformers.AutoConfig.for_model(args.family, **SIZE, **FAMILIES[args.family])
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    size, dtype = SIZED.get(args.family, (None, torch.float32))
+    config = transformers.AutoConfig.for_model(args.family, **(size or {**SIZE, **FAMILIES[args.family]}))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.save_pretrained(args.out)
     path = default_model_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tokenizer.save_pretrained(args.out)
-    print(f"saved {args.family} at the default model's size to {args.out}")
+    total = sum(p.numel() for p in model.parameters())
+    where = "at the default model's size " if size is None else ""
+    print(f"saved {args.family} ({total / 1e9:.2f} B parameters) {where}to {args.out}")
+    if args.gguf:
+        from moe_gguf import write_qwen3moe_gguf
+        target = os.path.join(args.out, f"model.{args.gguf}.gguf")
+        write_qwen3moe_gguf(args.out, target, args.gguf, tokenizer_from=path)
+        print(f"wrote {target}")
 
 
 if __name__ == "__main__":
