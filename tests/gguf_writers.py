@@ -177,7 +177,8 @@ def requantize_file(source, path: str, choose: Callable[[str, tuple], Optional[Q
 # A small mirror of llama.cpp's convert_hf_to_gguf.py (conversion/*.py) for the dense families: each
 # class's set_gguf_parameters (TextModel's base keys plus the family's own), tensor names by
 # gguf-py's TensorNameMap (the converter's own map), and its tensor transforms: LlamaModel.permute
-# of q/k (granite, smollm3), Gemma's norm weights + 1 and no lm_head, Cohere 2's zero biases dropped;
+# of q/k (granite, smollm3), Gemma's norm weights + 1 and no lm_head, Cohere 2's zero biases dropped,
+# Granite MoE's fused gate/up split;
 # 1-D tensors and norms float32, the rest in `qtype` (the converter's --outtype q8_0).
 
 def _text_model_keys(w: GGUFWriter, hp: dict) -> None:
@@ -268,6 +269,16 @@ def _granite_keys(w: GGUFWriter, hp: dict) -> None:
             add(hp[key])
 
 
+def _granitemoe_keys(w: GGUFWriter, hp: dict) -> None:
+    """GraniteMoeModel (GraniteMoe and GraniteMoeShared): Granite's keys, TextModel's expert counts and
+    the shared expert's length."""
+    _granite_keys(w, hp)
+    w.add_expert_count(hp["num_local_experts"])
+    w.add_expert_used_count(hp["num_experts_per_tok"])
+    if hp.get("shared_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(hp["shared_intermediate_size"])
+
+
 def _chatglm_keys(w: GGUFWriter, hp: dict) -> None:
     n_embed, n_head = hp["hidden_size"], hp["num_attention_heads"]
     w.add_context_length(hp.get("seq_length", n_embed))
@@ -307,8 +318,11 @@ def _exaone4_keys(w: GGUFWriter, hp: dict) -> None:
 CONVERTER_KEYS = {"gemma2": _gemma2_keys, "gemma3": _gemma3_keys, "phi3": _phi3_keys, "olmo2": _olmo2_keys,
                   "granite": _granite_keys, "smollm3": _llama_model_keys, "chatglm": _chatglm_keys,
                   "glm4": _glm4_keys, "cohere2": _cohere2_keys, "exaone4": _exaone4_keys,
-                  "starcoder2": _text_model_keys}
-_PERMUTES_QK = ("granite", "smollm3")            # LlamaModel subclasses
+                  "starcoder2": _text_model_keys, "granitemoe": _granitemoe_keys}
+_PERMUTES_QK = ("granite", "granitemoe", "smollm3")            # LlamaModel subclasses
+# GraniteMoeModel.modify_tensors: the fused gate/up of the experts and the shared expert split in two.
+_SPLIT_GATE_UP = {"block_sparse_moe.input_linear.weight": ("ffn_gate_exps", "ffn_up_exps"),
+                  "shared_mlp.input_linear.weight": ("ffn_gate_shexp", "ffn_up_shexp")}
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
 
 
@@ -343,6 +357,12 @@ def convert_hf_checkpoint(hf_dir: str, path: str, arch: str, qtype: Q = Q.F32) -
             value = _llama_permute(value, hp["num_key_value_heads"])
         if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
             value = value + 1
+        split = next((parts for suffix, parts in _SPLIT_GATE_UP.items() if name.endswith(suffix)), None)
+        if split is not None:
+            layer = name.split(".")[2]
+            for part, half in zip(split, np.split(value, 2, axis=-2)):
+                tensors[f"blk.{layer}.{part}.weight"] = np.ascontiguousarray(half)
+            continue
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = value
     for name, value in tensors.items():
         if qtype != Q.F32 and value.ndim > 1 and name.endswith(".weight") and not name.endswith("_norm.weight"):

@@ -277,11 +277,11 @@ def assert_logits_match(hf_model, path, prompt: list[int]) -> None:
 
 
 def save_moe_checkpoint(model_type: str, config_kwargs: dict, directory, seed: int = 0, vocab_size: int = 1000,
-                        correction_bias_scale: float = 0.0):
+                        correction_bias_scale: float = 0.0, router: str = "mlp.gate.weight"):
     """A random-weight transformers mixture-of-experts model saved with a tokenizer; the float32
-    model. The routers' weights are scaled up so each token's experts are picked by clear margins
-    (not float noise); a correction bias (DeepSeek V3, GLM-4.5) random at `correction_bias_scale`, so
-    it changes which experts win."""
+    model. The routers' weights (parameters named ...`router`) are scaled up so each token's experts
+    are picked by clear margins (not float noise); a correction bias (DeepSeek V3, GLM-4.5) random at
+    `correction_bias_scale`, so it changes which experts win."""
     import transformers
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model(model_type, **config_kwargs)
@@ -289,7 +289,7 @@ def save_moe_checkpoint(model_type: str, config_kwargs: dict, directory, seed: i
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.add_(torch.randn_like(param) * 0.05)
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(router):
                 param.mul_(20.0)
         for name, buffer in model.named_buffers():
             if correction_bias_scale and name.endswith("e_score_correction_bias"):

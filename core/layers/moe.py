@@ -2,7 +2,8 @@
 token, their outputs weighted and summed, plus optional shared experts every token runs.
 
 The router (`select_experts`): logits from a replicated gate Linear, softmax or sigmoid scores, the
-top-k of them, optionally renormalized to sum to 1 (norm_topk_prob); DeepSeek V3's grouped top-k
+top-k of them, optionally renormalized to sum to 1 (norm_topk_prob); or the top-k logits first, then
+their softmax (GPT-OSS, Granite MoE) or sigmoid (Cohere 2 MoE); PhiMoE's sparsemixer; DeepSeek V3's grouped top-k
 (experts in `num_groups` groups, only the best `topk_groups` groups eligible, groups ranked with a
 per-expert correction bias that changes which experts win but not their weights) and its
 routed_scaling_factor.
@@ -52,21 +53,29 @@ def _check_activation(activation: str) -> None:
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = False,
                    num_groups: Optional[int] = None, topk_groups: Optional[int] = None,
                    correction_bias: Optional[torch.Tensor] = None,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0, jitter_eps: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int64), each
     token's experts in descending order of their (bias-corrected) scores. `scoring` "topk_softmax"
-    (GPT-OSS): the top-k logits, softmax over those k alone."""
-    if scoring == "topk_softmax":
+    (GPT-OSS, Granite MoE) / "topk_sigmoid" (Cohere 2 MoE): the top-k logits, softmax over those k
+    alone / their sigmoids (renormalized if asked); "sparsemixer" (PhiMoE, top-2; `jitter_eps`)."""
+    if scoring in ("topk_softmax", "topk_sigmoid", "sparsemixer"):
         if num_groups not in (None, 1) or correction_bias is not None:
-            raise ValueError("router scoring 'topk_softmax' takes no expert groups or correction bias")
-        values, ids = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(values.float(), dim=-1) * routed_scaling_factor, ids
+            raise ValueError(f"router scoring {scoring!r} takes no expert groups or correction bias")
+        if scoring == "sparsemixer":
+            weights, ids = _sparsemixer(logits, top_k, jitter_eps)
+        else:
+            weights, ids = torch.topk(logits, top_k, dim=-1)
+            weights = torch.softmax(weights.float(), dim=-1) if scoring == "topk_softmax" else weights.float().sigmoid()
+            if renormalize and scoring == "topk_sigmoid":
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * routed_scaling_factor if routed_scaling_factor != 1.0 else weights, ids
     if scoring == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
     elif scoring == "sigmoid":
         scores = torch.sigmoid(logits.float())
     else:
-        raise ValueError(f"router scoring {scoring!r}: expected 'softmax', 'sigmoid' or 'topk_softmax'")
+        raise ValueError(f"router scoring {scoring!r}: expected 'softmax', 'sigmoid', 'topk_softmax', 'topk_sigmoid' "
+                         "or 'sparsemixer'")
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_groups is not None and num_groups > 1:
         t, e = choice.shape
@@ -89,6 +98,22 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", r
     if routed_scaling_factor != 1.0:
         weights = weights * routed_scaling_factor
     return weights, ids
+
+
+def _sparsemixer(logits: torch.Tensor, top_k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PhiMoE's router at inference (transformers' sparsemixer, not training): the best expert, then the
+    best of the rest, each weighted by a softmax over the logits within a relative 2 * jitter_eps of
+    it (the earlier picks masked out); in the logits' dtype, as transformers computes it."""
+    if top_k != 2:
+        raise ValueError(f"router scoring 'sparsemixer' picks 2 experts, not top_k={top_k}")
+    weights, ids, remaining = [], [], logits
+    for _ in range(top_k):
+        best, pick = remaining.max(dim=-1, keepdim=True)
+        far = (best - logits) / logits.abs().clamp(min=best) > 2 * jitter_eps
+        weights.append(torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1).gather(-1, pick))
+        ids.append(pick)
+        remaining = remaining.scatter(-1, pick, float("-inf"))
+    return torch.cat(weights, dim=-1).float(), torch.cat(ids, dim=-1)
 
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation: str,
@@ -179,7 +204,8 @@ class FusedMoE(nn.Module):
     """Router, stacked experts and optional shared expert(s) of one layer: hidden [T, H] -> [T, H].
 
     `shared_expert`: a module every token runs (its own tensor parallelism), added to the routed
-    sum, times sigmoid(`shared_expert_gate`(x)) where the layer has that gate (Qwen2-MoE)."""
+    sum, times sigmoid(`shared_expert_gate`(x)) where the layer has that gate (Qwen2-MoE), or times
+    `shared_expert_scale` (Cohere 2 MoE's "average": 0.5, with routed_scaling_factor 0.5)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  dtype: Optional[torch.dtype], quant_method: Optional[QuantizationMethod] = None,
@@ -188,11 +214,13 @@ class FusedMoE(nn.Module):
                  correction_bias: bool = False, routed_scaling_factor: float = 1.0,
                  weights_in_hidden_dtype: bool = False, shared_expert: Optional[nn.Module] = None,
                  shared_expert_gate: bool = False, router_bias: bool = False, expert_bias: bool = False,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> None:
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, jitter_eps: float = 0.01,
+                 shared_expert_scale: float = 1.0) -> None:
         """`weights_in_hidden_dtype`: the routing weights are rounded to the activations' dtype
         before they multiply (Qwen2/3-MoE, OLMoE); else they multiply in float32 (Mixtral).
         `router_bias` / `expert_bias`: the router's and each expert's biases (GPT-OSS: w13_bias
-        [E, 2 * I] gate then up, w2_bias [E, H]); `swiglu_*`: the "swiglu_oai" activation's constants."""
+        [E, 2 * I] gate then up, w2_bias [E, H]); `swiglu_*`: the "swiglu_oai" activation's constants;
+        `jitter_eps`: the "sparsemixer" router's."""
         super().__init__()
         # How the experts are kept (quantization/interface.py ExpertsMethod); the loader's post-processing calls it.
         self.quant_method = (quant_method or UnquantizedLinearMethod()).experts_method()
@@ -211,7 +239,8 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size // self.tp_size     # this rank's part of each expert
         self.scoring, self.renormalize = scoring, renormalize
         self.num_groups, self.topk_groups = num_groups, topk_groups
-        self.routed_scaling_factor = routed_scaling_factor
+        self.routed_scaling_factor, self.jitter_eps = routed_scaling_factor, float(jitter_eps)
+        self.shared_expert_scale = float(shared_expert_scale)
         self.weights_in_hidden_dtype = weights_in_hidden_dtype
         self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
         self.gate = Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)   # the router, replicated
@@ -293,7 +322,8 @@ class FusedMoE(nn.Module):
         """(weights [T, k], expert ids [T, k]) for each token."""
         bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, ids = select_experts(self.gate(hidden), self.top_k, self.scoring, self.renormalize,
-                                      self.num_groups, self.topk_groups, bias, self.routed_scaling_factor)
+                                      self.num_groups, self.topk_groups, bias, self.routed_scaling_factor,
+                                      self.jitter_eps)
         return (weights.to(hidden.dtype) if self.weights_in_hidden_dtype else weights), ids
 
     def experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -335,5 +365,5 @@ class FusedMoE(nn.Module):
             shared = self.shared_expert(hidden)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
-            out = out + shared
+            out = out + (shared * self.shared_expert_scale if self.shared_expert_scale != 1.0 else shared)
         return out

@@ -7,7 +7,7 @@ own ROPE_INIT_FUNCTIONS so they match HF bit for bit.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -38,10 +38,11 @@ class RotaryEmbedding(nn.Module):
     """Rotates the leading `rotary_dim` dims of each head (all of them by default; Phi-3 and GLM
     rotate a part and pass the rest), as halves (`interleaved` False: Llama's rotate_half) or as
     adjacent pairs (True: GLM's and Cohere's GPT-J layout). `inv_freq` is [rotary_dim / 2], or
-    [positions, rotary_dim / 2] where the frequencies depend on the position (dynamic NTK, longrope)."""
+    [positions, rotary_dim / 2] where the frequencies depend on the position (dynamic NTK, longrope);
+    `attention_scaling` a number or [positions, 1] (PhiMoE's mscale per position)."""
 
     def __init__(self, head_size: int, max_position: int, inv_freq: torch.Tensor,
-                 attention_scaling: float = 1.0, dtype: Optional[torch.dtype] = None,
+                 attention_scaling: Union[float, torch.Tensor] = 1.0, dtype: Optional[torch.dtype] = None,
                  rotary_dim: Optional[int] = None, interleaved: bool = False) -> None:
         super().__init__()
         self.head_size = head_size
@@ -122,7 +123,7 @@ def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[tor
     rotary_dim = int(head_size * float(params["partial_rotary_factor"]))
     per_type = layer_type if is_per_layer_type(getattr(config, "rope_parameters", None)) else None
     base = float(params["rope_theta"])
-    scaling = 1.0
+    scaling: Union[float, torch.Tensor] = 1.0
     if rope_type == "default":
         inv_freq = _default_inv_freq(base, rotary_dim)
     elif rope_type == "dynamic":
@@ -139,7 +140,13 @@ def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[tor
             raise ValueError(f"unknown rope type {rope_type!r}")
         kwargs = {"layer_type": per_type} if per_type else {}
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
-        if rope_type == "longrope":
+        if rope_type == "longrope" and "short_mscale" in params:
+            # PhiMoE: transformers 5 rotates with the short factors throughout and scales cos/sin by
+            # short_mscale, or long_mscale once the sequence passes the original length.
+            original = int(params["original_max_position_embeddings"])
+            rows = torch.arange(max_position)[:, None] >= original
+            scaling = torch.where(rows, float(params["long_mscale"]), float(params["short_mscale"]))
+        elif rope_type == "longrope":
             original = int(params["original_max_position_embeddings"])
             long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), seq_len=original + 1, **kwargs)
             rows = torch.arange(max_position)[:, None] >= original
@@ -148,4 +155,5 @@ def get_rope(config: Any, head_size: int, max_position: int, dtype: Optional[tor
     if factors is not None:
         # GGUF llama3 files carry their scaling as per-frequency divisors (llama.cpp's rope_freqs).
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
-    return RotaryEmbedding(head_size, max_position, inv_freq, float(scaling), dtype, rotary_dim, interleaved)
+    return RotaryEmbedding(head_size, max_position, inv_freq, scaling if isinstance(scaling, torch.Tensor)
+                           else float(scaling), dtype, rotary_dim, interleaved)

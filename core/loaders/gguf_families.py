@@ -1,5 +1,5 @@
 """What llama.cpp's converter (convert_hf_to_gguf.py; conversion/*.py in newer trees) writes for
-each family (dense, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE), read back: GGUF metadata
+each family (dense, and the mixture-of-experts Mixtral, Qwen2/3-MoE, OLMoE, Granite MoE), read back: GGUF metadata
 -> HF config fields, GGUF block tensor names -> HF module names, and which of the converter's
 tensor transforms the loader undoes (core/loaders/gguf_loader.py applies them).
 
@@ -212,6 +212,18 @@ def _granite(gguf: GGUFFile, kwargs: dict) -> None:
     kwargs["logits_scaling"] = float(a("logit_scale") or 1.0)          # logits are divided by it
 
 
+def _granitemoe(gguf: GGUFFile, kwargs: dict) -> None:
+    _granite(gguf, kwargs)
+    _experts(gguf, kwargs, "num_local_experts")
+    kwargs.pop("moe_intermediate_size")        # Granite's experts are intermediate_size wide
+    kwargs["shared_intermediate_size"] = int(gguf.arch_value("expert_shared_feed_forward_length") or 0)
+
+
+def _granitemoe_shared(gguf: GGUFFile) -> Optional[tuple[str, str]]:
+    # The converter writes GraniteMoeShared as "granitemoe" with ffn_*_shexp tensors.
+    return ("granitemoeshared", "GraniteMoeSharedForCausalLM") if "blk.0.ffn_up_shexp.weight" in gguf.tensors else None
+
+
 def _glm(gguf: GGUFFile, kwargs: dict) -> None:
     kwargs["attention_bias"] = _has_qkv_bias(gguf)
     _rotary_fraction(gguf, kwargs, default=0.5)
@@ -270,6 +282,8 @@ FAMILIES: dict[str, GGUFFamily] = {
     "phi3": GGUFFamily("phi3", "Phi3ForCausalLM", _phi3, fused_ffn_up=True),
     "olmo2": GGUFFamily("olmo2", "Olmo2ForCausalLM", _olmo, _POST_NORM_NAMES, variant=_olmo3),
     "granite": GGUFFamily("granite", "GraniteForCausalLM", _granite, permuted_qk=True),
+    "granitemoe": GGUFFamily("granitemoe", "GraniteMoeForCausalLM", _granitemoe, permuted_qk=True,
+                             variant=_granitemoe_shared),
     # GlmForCausalLM (and THUDM's ChatGLM checkpoints) convert to "chatglm".
     "chatglm": GGUFFamily("glm", "GlmForCausalLM", _glm, fused_ffn_up=True),
     "glm4": GGUFFamily("glm4", "Glm4ForCausalLM", _glm, {"post_attention_norm": "post_self_attn_layernorm",
