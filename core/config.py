@@ -96,6 +96,9 @@ class SchedulerConfig:
     max_waiting_requests: Optional[int] = None     # the server refuses with 503 beyond this
 
 
+EXPERT_PARALLEL_EXCHANGES = ("auto", "all_reduce", "all_to_all")
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -103,6 +106,13 @@ class ParallelConfig:
     # "mp" (one process per rank, this machine), "ray" (one actor per rank, any cluster) or "uni"
     # (tp = pp = 1, in process); None: uni for one rank, else mp. See core/executor.py.
     distributed_executor_backend: Optional[str] = None
+    # vLLM's flag: each mixture-of-experts layer's experts split over the tensor-parallel ranks (each
+    # rank holds whole experts, E / tp of them) instead of every expert's intermediate size.
+    enable_expert_parallel: bool = False
+    # How tokens reach the rank owning their expert (core/layers/moe_parallel.py): "all_reduce" (every
+    # rank runs its experts on the tokens it already holds, then one all-reduce), "all_to_all" (each rank
+    # dispatches its 1/tp of the tokens to the owners and gathers the results), "auto": all_reduce.
+    expert_parallel_exchange: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -248,6 +258,9 @@ class EngineConfig:
             value = getattr(self.parallel, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.parallel.expert_parallel_exchange not in EXPERT_PARALLEL_EXCHANGES:
+            raise ValueError(f"expert_parallel_exchange must be one of {', '.join(EXPERT_PARALLEL_EXCHANGES)}; "
+                             f"got {self.parallel.expert_parallel_exchange!r}")
         if self.parallel.distributed_executor_backend not in (None, "mp", "ray", "uni"):
             raise ValueError("distributed_executor_backend must be 'mp', 'ray' or 'uni', got "
                              f"{self.parallel.distributed_executor_backend!r}")

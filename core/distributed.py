@@ -28,6 +28,10 @@ class ParallelState:
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: Any = None            # torch.distributed ProcessGroup of this stage's ranks; None: world
+    # Expert parallelism (core/layers/moe_parallel.py): the experts split over the tp group, and how
+    # tokens reach them ("all_reduce" | "all_to_all"); off with one tp rank.
+    expert_parallel: bool = False
+    expert_exchange: str = "all_reduce"
 
     @property
     def rank(self) -> int:
@@ -73,9 +77,11 @@ def free_port() -> int:
 
 
 def init_parallel_state(rank: int, tp: int, pp: int, backend: str, init_method: str,
-                        device: Optional[torch.device] = None) -> ParallelState:
+                        device: Optional[torch.device] = None, expert_parallel: bool = False,
+                        expert_exchange: str = "auto") -> ParallelState:
     """Join the process group (every rank calls this once, before building the model) and make
-    the tensor-parallel groups. `init_method`: tcp://host:port or env:// (MASTER_ADDR/PORT)."""
+    the tensor-parallel groups. `init_method`: tcp://host:port or env:// (MASTER_ADDR/PORT).
+    `expert_parallel`: mixture-of-experts layers split their experts over the tp group."""
     global _STATE
     import torch.distributed as dist
     world = tp * pp
@@ -91,9 +97,12 @@ def init_parallel_state(rank: int, tp: int, pp: int, backend: str, init_method: 
             made = dist.new_group(ranks)
             if rank in ranks:
                 group = made
-    _STATE = ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp, tp_group=group)
-    logger.info("rank %d of %d: tp rank %d/%d, pp stage %d/%d, backend %s", rank, world, _STATE.tp_rank, tp,
-                _STATE.pp_rank, pp, backend)
+    _STATE = ParallelState(tp_rank=rank % tp, tp_size=tp, pp_rank=rank // tp, pp_size=pp, tp_group=group,
+                           expert_parallel=expert_parallel and tp > 1,
+                           expert_exchange="all_reduce" if expert_exchange == "auto" else expert_exchange)
+    logger.info("rank %d of %d: tp rank %d/%d, pp stage %d/%d, backend %s%s", rank, world, _STATE.tp_rank, tp,
+                _STATE.pp_rank, pp, backend,
+                f", experts split over the tp ranks ({_STATE.expert_exchange})" if _STATE.expert_parallel else "")
     return _STATE
 
 
@@ -165,31 +174,65 @@ def recv_from_previous_stage(shape: tuple[int, ...], dtype: torch.dtype, device:
 
 
 # ---------------------------------------------------------------------- what a model can split
-def _tp_problem(hf_config: Any, tp: int) -> Optional[str]:
+# Where a config states its routed experts (Qwen/OLMoE, Mixtral/GPT-OSS, DeepSeek/GLM-4-MoE).
+_EXPERT_COUNT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def num_routed_experts(hf_config: Any) -> int:
+    """The routed experts per mixture-of-experts layer; 0 for a dense model."""
+    for name in _EXPERT_COUNT_NAMES:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _tp_problem(hf_config: Any, tp: int, expert_parallel: bool = False) -> Optional[str]:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
         return f"{heads} attention heads do not divide by {tp}"
     if kv % tp and tp % kv:        # fewer KV heads than ranks: each is replicated on tp/kv ranks
         return f"{kv} KV heads neither divide by {tp} nor divide {tp}"
-    # The dense MLP's, each expert's and the shared expert's (mixture-of-experts models).
+    experts = num_routed_experts(hf_config)
+    if expert_parallel and experts < tp:
+        return f"{experts} experts cannot give each of {tp} ranks one (enable_expert_parallel)"
+    # The dense MLP's, each expert's and the shared expert's; at expert parallelism the experts are kept
+    # whole, so their size (moe_intermediate_size, or Mixtral's / GPT-OSS's intermediate_size) need not divide.
+    expert_size = "moe_intermediate_size" if getattr(hf_config, "moe_intermediate_size", None) else "intermediate_size"
     for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         inter = getattr(hf_config, name, None)
+        if expert_parallel and name == expert_size:
+            continue
         if inter and inter % tp:
             return f"{name} {inter} does not divide by {tp}"
     return None
 
 
-def check_parallel_sizes(hf_config: Any, tp: int, pp: int) -> None:
+def settle_expert_parallel(parallel: Any, hf_config: Any) -> None:
+    """vLLM's handling of `enable_expert_parallel` where it cannot apply: with one tensor-parallel rank
+    (nothing to split) or on a model without routed experts it is ignored, with a log line."""
+    if not parallel.enable_expert_parallel:
+        return
+    if parallel.tensor_parallel_size == 1:
+        logger.info("enable_expert_parallel: ignored with tensor_parallel_size=1 (one rank holds every expert)")
+        parallel.enable_expert_parallel = False
+    elif num_routed_experts(hf_config) == 0:
+        logger.warning("enable_expert_parallel: ignored, %s has no mixture-of-experts layers",
+                       getattr(hf_config, "model_type", "the model"))
+        parallel.enable_expert_parallel = False
+
+
+def check_parallel_sizes(hf_config: Any, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """ValueError naming tensor_parallel_size (and the sizes that work) or pipeline_parallel_size
     when the model cannot be split that way."""
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be >= 1 (got {tp}, {pp})")
     if tp > 1:
-        problem = _tp_problem(hf_config, tp)
+        problem = _tp_problem(hf_config, tp, expert_parallel)
         if problem:
             heads = hf_config.num_attention_heads
-            working = [n for n in range(1, heads + 1) if _tp_problem(hf_config, n) is None]
+            working = [n for n in range(1, heads + 1) if _tp_problem(hf_config, n, expert_parallel) is None]
             raise ValueError(f"tensor_parallel_size={tp} cannot split this model: {problem}; "
                              f"tensor_parallel_size values that work: {', '.join(map(str, working))}")
     layers = hf_config.num_hidden_layers

@@ -26,6 +26,7 @@ from . import request_checks
 from .errors import RequestError
 from .loaders.loader import load_model
 from .executor import make_executor
+from .layers.expert_tokens import counts_by_layer
 from .outputs import EngineStats, RequestDelta, RequestMetrics
 from .lora.manager import attach_lora, cache_salt, enabled
 from .lora.request import LoRARequest
@@ -80,6 +81,7 @@ class LLMEngine:
 
         self.lora = attach_lora(config, bundle.model, self.platform, self.dtype)   # slots sized before the KV pool
         self.executor = make_executor(config, self.platform, bundle)    # core/executor.py: in process, mp or ray
+        self._expert_tokens: Optional[torch.Tensor] = None     # the last step's cumulative tokens per expert
         self.runner, self.num_kv_blocks = self.executor.runner, self.executor.num_blocks   # runner: None at tp/pp > 1
         margin = config.speculative.num_speculative_tokens if config.speculative.method else 0
         block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
@@ -274,6 +276,7 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
             prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, **self.structured.counters(),
+            moe_expert_tokens=counts_by_layer(self._expert_tokens),
             **(self.speculator.counters() if self.speculator is not None else {}),
             **(self.lora.counters(self.scheduler.running, self.scheduler.waiting) if self.lora is not None else {}))
 
@@ -298,6 +301,8 @@ class LLMEngine:
             for seq in batch.preempted:
                 self._event("preempted", self.requests[seq.request_id])
         result = self.executor.execute(batch)
+        if result.expert_tokens is not None:       # read (one copy) only when the stats are built
+            self._expert_tokens = result.expert_tokens
         sampled = None
         if result.sampled:
             eos = self.eos_token_ids

@@ -85,7 +85,11 @@ def stats_dict(engine: Any) -> dict[str, float]:
         stats = engine.stats()
     except Exception:   # an engine without stats still serves
         return {}
-    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    # Field by field, not dataclasses.asdict: stats() builds every value afresh and the dict is pickled at
+    # once, so asdict's deep copy (7 ms a step for a 48-layer, 128-expert model's per-expert counts) buys nothing.
+    if dataclasses.is_dataclass(stats):
+        return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+    return dict(vars(stats))
 
 
 def _die_with_parent() -> None:

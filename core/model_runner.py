@@ -20,6 +20,7 @@ from tokenmill.platforms.interface import ModelView
 from . import distributed
 from .config import EngineConfig
 from .kv_groups import KVLayout, MLAKVSpec, kv_layout
+from .layers.expert_tokens import ExpertTokenCounter
 from .layers.pooler import Pooler
 from .pooler_config import PoolerConfig
 from .sequence import Sequence
@@ -122,6 +123,11 @@ class ModelRunner:
         self.forward = (self._forward_eager if self.pooler is not None or eager
                         else self.decode_program.build(self._forward_eager, self.model_view()))
         self.profile: Optional[StepProfile] = None     # set by `bench --profile`: where step time goes
+        # Tokens per expert of each MoE layer (the metric), counted on the first tp rank of each stage
+        # (the others route the same tokens); attached after profiling, so only real steps count.
+        self.expert_tokens = None if distributed.tp_rank() != 0 else ExpertTokenCounter.attach(
+            model, max(config.scheduler.max_num_batched_tokens or 0, self.max_num_seqs), self.device)
+        self._replays_seen = 0
 
     def fast_path_report(self) -> dict[str, Any]:
         """Which decode program runs this model (or why it runs eagerly) and the kernels each op kind
@@ -243,14 +249,23 @@ class ModelRunner:
         """One forward over `inputs` (`seqs`: the batch's sequences, in-process, for pooling)."""
         step = self.prepare(inputs)
         if self.profile is None:
-            return self.finish(step, self.forward(step.input_ids, step.positions, step.metadata), seqs)
+            return self.finish(step, self.count_experts(step, self.forward(step.input_ids, step.positions,
+                                                                           step.metadata)), seqs)
         start = time.perf_counter()
-        hidden = self.forward(step.input_ids, step.positions, step.metadata)
+        hidden = self.count_experts(step, self.forward(step.input_ids, step.positions, step.metadata))
         path = getattr(self.forward, "last_path", None) or (
             "eager" if self.forward == self._forward_eager else self.decode_program.name)
         self.profile.record(path, inputs.num_decodes == len(inputs.entries), len(step.input_ids),
                             time.perf_counter() - start)
         return self.finish(step, hidden, seqs)
+
+    def count_experts(self, step: "PreparedStep", hidden: torch.Tensor) -> torch.Tensor:
+        """After a step's forward: its tokens' expert picks into the counts (no-op without MoE layers)."""
+        if self.expert_tokens is not None:
+            replays = getattr(self.forward, "num_replays", 0)       # a graph runner's (platforms/cuda_graphs.py)
+            self.expert_tokens.collect(step.total_rows, replayed=replays != self._replays_seen)
+            self._replays_seen = replays
+        return hidden
 
     def prepare(self, inputs: StepInputs) -> "PreparedStep":
         """Flatten the entries into the forward's tensors and note which rows are read after it."""
@@ -324,7 +339,8 @@ class ModelRunner:
             pooled = self.pooler(hidden, [(seqs[i], start, first, n) for i, start, first, n in step.pooling_chunks])
         num_rows = step.num_rows if len(step.sample_rows) != len(step.sampled) else None
         return StepOutput(logits=logits, sampled=step.sampled, num_rows=num_rows, prompt_logits=prompt_logits,
-                          pooled=pooled)
+                          pooled=pooled,
+                          expert_tokens=None if self.expert_tokens is None else self.expert_tokens.counts)
 
 
 @dataclass

@@ -95,6 +95,9 @@ class EngineStats:
     lora_swaps: int = 0
     lora_evictions: int = 0
     max_loras: int = 0
+    # Mixture-of-experts models (cumulative): {decoder layer index: tokens routed to each expert}, the
+    # router's top-k picks (a token counts once per expert it picked), for the layers that saw tokens.
+    moe_expert_tokens: dict = field(default_factory=dict)
 
 
 @dataclass

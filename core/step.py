@@ -94,6 +94,9 @@ class StepOutput:
     num_rows: Optional[list[int]] = None     # rows per sampled entry when drafts were verified
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (entry, start, logits)
     pooled: list[tuple[Any, list[float]]] = field(default_factory=list)   # in-process only: (sequence, vector)
+    # Cumulative tokens per expert [layers, experts] of the MoE layers (core/layers/expert_tokens.py):
+    # the runner's device tensor in process, a CPU copy from a worker; None without MoE layers.
+    expert_tokens: Optional[torch.Tensor] = None
 
     def rows_per_seq(self) -> list[int]:
         """Rows of `logits` per sampled sequence (1 + its drafts when drafts were verified)."""
@@ -115,4 +118,5 @@ class StepOutput:
                 logits.append(out.logits)
             offset += size
         return StepOutput(logits=torch.cat(logits) if logits else None, sampled=sampled,
-                          num_rows=rows if any(r != 1 for r in rows) else None, prompt_logits=prompt)
+                          num_rows=rows if any(r != 1 for r in rows) else None, prompt_logits=prompt,
+                          expert_tokens=outputs[-1].expert_tokens if outputs else None)

@@ -66,7 +66,8 @@ class Worker:
         platform.set_seed(config.model.seed)
         self.state = distributed.init_parallel_state(
             spec.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
-            platform.distributed_backend(), spec.init_method, platform.device())
+            platform.distributed_backend(), spec.init_method, platform.device(),
+            expert_parallel=parallel.enable_expert_parallel, expert_exchange=parallel.expert_parallel_exchange)
         distributed.set_collective_device(platform.device())
 
         def choose_backend(attn_config: Any) -> type:
@@ -78,6 +79,10 @@ class Worker:
         self.hidden_size = int(bundle.hf_config.hidden_size)
         # Only one rank sends results back: the first tp rank of the last stage.
         self.returns_results = self.state.is_last_stage and self.state.tp_rank == 0
+        # Each stage counts its own MoE layers' tokens per expert: [all layers, experts] summed into the
+        # result rank after each step (pp > 1), so the counts cover every stage.
+        experts = distributed.num_routed_experts(bundle.hf_config)
+        self.expert_rows = (int(bundle.hf_config.num_hidden_layers), experts) if experts else None
 
     def ready(self) -> WorkerReady:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -90,7 +95,25 @@ class Worker:
             out = self.runner.execute_inputs(inputs)
         else:
             out = self._execute_pipelined(inputs)
+            if self.expert_rows is not None:
+                counts = self._expert_tokens_of_all_stages()
+                if out is not None:
+                    out.expert_tokens = counts
+        if out is not None and out.expert_tokens is not None:
+            out.expert_tokens = out.expert_tokens.cpu()        # pickled to the engine
         return out if self.returns_results else None
+
+    def _expert_tokens_of_all_stages(self) -> torch.Tensor:
+        """Every stage's counts summed into the result rank (every rank takes part; other tp ranks add 0)."""
+        import torch.distributed as dist
+        assert self.expert_rows is not None
+        total = torch.zeros(self.expert_rows, dtype=torch.long, device=self.runner.device)
+        mine = self.runner.expert_tokens
+        if mine is not None:
+            rows = min(total.shape[0], mine.counts.shape[0])
+            total[:rows] = mine.counts[:rows]
+        dist.reduce(total, dst=(self.state.pp_size - 1) * self.state.tp_size)
+        return total
 
     def _execute_pipelined(self, inputs: StepInputs) -> Optional[StepOutput]:
         runner, state = self.runner, self.state
@@ -103,7 +126,8 @@ class Worker:
             if not state.is_first_stage:
                 intermediate = distributed.recv_from_previous_stage(
                     (2, step.total_rows, self.hidden_size), runner.dtype, runner.device)
-            hidden = self.model(step.input_ids, step.positions, step.metadata, intermediate)
+            hidden = runner.count_experts(step, self.model(step.input_ids, step.positions, step.metadata,
+                                                           intermediate))
             if state.is_last_stage:
                 outputs.append(runner.finish(step, hidden))
             else:

@@ -51,6 +51,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Tr
                         help="ranks each layer is split over (heads, MLP, vocabulary); docs/distributed.md")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="stages the layers are split into (hidden states passed between them)")
+    parser.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                        help="split each mixture-of-experts layer's experts over the tensor-parallel ranks "
+                             "(whole experts, E / tp per rank) instead of every expert's intermediate size")
+    parser.add_argument("--expert-parallel-exchange", default="auto", choices=["auto", "all_reduce", "all_to_all"],
+                        help="with --enable-expert-parallel: all_reduce (each rank runs its experts on every token, "
+                             "one all-reduce; auto) or all_to_all (each rank sends its share of the tokens to "
+                             "the experts' ranks and gathers the results); docs/distributed.md")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uni"],
                         help="how ranks run: mp (one process per rank, this machine; the default for tp/pp > 1), "
                              "ray (one Ray actor per rank: RAY_ADDRESS's cluster, or a local one)")
@@ -90,7 +97,7 @@ ENGINE_ARG_NAMES = (
     "disable_hybrid_kv_cache_manager",
     "policy", "attention_backend", "enforce_eager", "graph_capture", "num_threads", "seed",
     "generation_config", "structured_outputs_backend", "speculative_config", "tensor_parallel_size",
-    "pipeline_parallel_size", "distributed_executor_backend",
+    "pipeline_parallel_size", "distributed_executor_backend", "enable_expert_parallel", "expert_parallel_exchange",
     "runner", "pooler_config", "model_impl",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_modules",
 )

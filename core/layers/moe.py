@@ -12,7 +12,9 @@ The experts are stacked parameters: `w13` [E, 2 * I, H] (each expert's gate rows
 and `w2` [E, H, I], filled one checkpoint tensor at a time (experts.{e}.gate_proj / up_proj /
 down_proj, Mixtral's w1 / w3 / w2, or transformers' fused experts.gate_up_proj / down_proj whole).
 Tensor parallelism splits every expert's intermediate dimension over the ranks (w13 by rows of gate
-and of up, w2 by columns) and all-reduces the routed sum, as a row-parallel Linear does.
+and of up, w2 by columns) and all-reduces the routed sum, as a row-parallel Linear does; with expert
+parallelism (core/layers/moe_parallel.py) each rank holds whole experts instead, E / tp of them
+(`expert_start` .. `expert_end`), and the weight loader skips the others'.
 
 The computation is the op `moe(hidden, w13, w2, topk_weights, topk_ids, activation)`: a platform may
 supply it (LayerKernels.moe, may return NotImplemented); `moe_reference` is the torch one. GPT-OSS's
@@ -34,8 +36,9 @@ from tokenmill.platforms.interface import graph_capturing
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
-from ..distributed import all_reduce, tp_rank, tp_size
+from ..distributed import all_reduce, get_state, tp_rank, tp_size
 from .linear import Linear
+from .moe_parallel import local_experts, parallel_experts
 from .params import plain_parameter
 
 # Activations of a gated expert: act(gate) * up.
@@ -229,7 +232,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"quantization {quant_method.name!r} does not cover mixture-of-experts layers yet: "
                              "the experts are kept as dense stacked weights; run this model unquantized")
         _check_activation(activation)
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        # Expert parallelism: this rank's whole experts; else every expert, its intermediate size split.
+        self.expert_start, self.expert_end = local_experts(num_experts)
+        self.expert_parallel = get_state().expert_parallel
+        self.tp_rank, self.tp_size = (0, 1) if self.expert_parallel else (tp_rank(), tp_size())
         if intermediate_size % self.tp_size:
             raise ValueError(f"expert intermediate size {intermediate_size} does not divide by "
                              f"tensor_parallel_size={self.tp_size}")
@@ -246,9 +252,9 @@ class FusedMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts, bias=router_bias, dtype=dtype)   # the router, replicated
         if correction_bias:        # DeepSeek V3 stores it with the router: mlp.gate.e_score_correction_bias
             self.gate.e_score_correction_bias = plain_parameter(num_experts, dtype=torch.float32)
-        i = self.intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype), requires_grad=False)
+        i, local = self.intermediate_size, self.expert_end - self.expert_start
+        self.w13 = nn.Parameter(torch.empty(local, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(local, hidden_size, i, dtype=dtype), requires_grad=False)
         for param, parts in ((self.w13, ("gate", "up")), (self.w2, ("down",))):
             param.weight_loader = self.weight_loader
             # What a complete checkpoint fills (core/loaders/weights.py checks): each expert's tensors.
@@ -257,13 +263,16 @@ class FusedMoE(nn.Module):
         self.w13_bias: Optional[nn.Parameter] = None
         self.w2_bias: Optional[nn.Parameter] = None
         if expert_bias:           # loaded whole (shard id None), this rank's part of w13_bias
-            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * i, dtype=dtype), requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+            self.w13_bias = nn.Parameter(torch.empty(local, 2 * i, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype), requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
         self.shared_expert = shared_expert
         self.shared_expert_gate = Linear(hidden_size, 1, dtype=dtype) if shared_expert_gate else None
         self._kernel: Any = None        # a platform's moe op (core/layers/kernels.py)
         self._prepared: Any = None      # what its `prepare` made of the experts
+        # Where the routed expert ids are noted for the per-expert token counts (core/layers/expert_tokens.py).
+        self.token_counter: Any = None
+        self.counter_slot = 0
 
     def use_kernel(self, kernel: Any) -> None:
         """Run the experts through `kernel(hidden, w13, w2, topk_weights, topk_ids, activation, **extra)`
@@ -279,9 +288,13 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Optional[tuple[int, str]] = None) -> None:
         """One expert's gate / up / down tensor into its slot (shard_id (expert, part)), or every
         expert's at once (shard_id None: a fused [E, 2 * I, H] gate_up or [E, H, I] down); at tensor
-        parallelism this rank's rows of gate and up, columns of down (narrowed before reading)."""
+        parallelism this rank's rows of gate and up, columns of down (narrowed before reading); at
+        expert parallelism this rank's experts only, whole (another rank's are not read)."""
         i, rank, full = self.intermediate_size, self.tp_rank, self.intermediate_size * self.tp_size
+        first, local = self.expert_start, self.expert_end - self.expert_start
         if shard_id is None:
+            if local != self.num_experts:        # [E, ...] of every expert: this rank's range of them
+                loaded = self._narrow(loaded, 0, first, local, self.num_experts)
             if param is self.w2_bias:            # every rank holds it whole (rank 0 adds it, `experts`)
                 loaded = loaded.materialize() if hasattr(loaded, "materialize") else loaded
             elif param is self.w13 or param is self.w13_bias:
@@ -295,6 +308,9 @@ class FusedMoE(nn.Module):
             expert, part = shard_id
             if not 0 <= expert < self.num_experts:
                 raise ValueError(f"expert {expert} of a layer with {self.num_experts} experts")
+            if not first <= expert < self.expert_end:
+                return                           # another rank's expert (expert parallelism)
+            expert -= first
             if part == "down":
                 loaded, target = self._narrow(loaded, 1, rank * i, i, full), param.data[expert]
             else:
@@ -358,9 +374,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(hidden)
-        out = self.experts(hidden, weights, ids)
-        if self.tp_size > 1:
-            out = all_reduce(out)
+        if self.token_counter is not None:
+            self.token_counter.note(self.counter_slot, ids)
+        if self.expert_parallel:
+            out = parallel_experts(self, hidden, weights, ids)
+        else:
+            out = self.experts(hidden, weights, ids)
+            if self.tp_size > 1:
+                out = all_reduce(out)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             if self.shared_expert_gate is not None:

@@ -23,7 +23,7 @@ from tokenmill.quantization.interface import QuantizationMethod, QuantKernels
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
 from ..config import EngineConfig, torch_dtype
-from ..distributed import check_parallel_sizes
+from ..distributed import check_parallel_sizes, settle_expert_parallel
 from ..errors import PathNotFoundError
 from ..layers.kernels import apply_layer_kernels
 from ..models.pooling_adapter import as_pooling_model
@@ -176,7 +176,9 @@ def load_model(config: EngineConfig, platform: PlatformLike,
         graph_capture=platform.decode_program(config).backend_mode(), device=platform.dispatch_key)
     backend_cls = choose_backend(attn_config)
     parallel = config.parallel
-    check_parallel_sizes(meta.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    settle_expert_parallel(parallel, meta.hf_config)      # ignored (logged) at tp=1 or on a dense model
+    check_parallel_sizes(meta.hf_config, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                         parallel.enable_expert_parallel)
     if parallel.world_size > 1 and config.model.quantization is not None:
         raise ValueError(f"quantization {config.model.quantization!r} is not supported with "
                          "tensor_parallel_size/pipeline_parallel_size > 1 yet")

@@ -6,11 +6,12 @@ Counters are exposed with prometheus_client's `_total` suffix, as vLLM's are.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from .lora_metrics import LoRAGauges, lora_families
 
@@ -24,6 +25,53 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _COUNTER_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
                    "generation_tokens", "num_constrained_requests", "grammar_compile_seconds",
                    "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "lora_swaps")
+
+
+class _ExpertTokens:
+    """`tokenmill:moe_expert_tokens_total{model_name, layer, expert}`: tokens routed to each expert of each
+    mixture-of-experts layer. The engine sends its cumulative counts with each step's stats; they are kept
+    as sent and turned into samples only when the registry is read (layers x experts series are too many to
+    walk every step). One per registry, holding every model's counts."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Mapping[str, list[int]]] = {}        # model -> layer -> counts (this engine's)
+        self.base: dict[str, dict[str, list[int]]] = {}             # model -> counts of engines gone before
+
+    @classmethod
+    def of(cls, registry: CollectorRegistry) -> "_ExpertTokens":
+        collector = getattr(registry, "_tokenmill_expert_tokens", None)
+        if collector is None:
+            collector = cls()
+            registry.register(collector)
+            registry._tokenmill_expert_tokens = collector     # type: ignore[attr-defined]
+        return collector
+
+    def totals(self, model: str) -> dict[str, list[int]]:
+        out = {layer: list(counts) for layer, counts in self.base.get(model, {}).items()}
+        for layer, counts in self.latest.get(model, {}).items():
+            acc = out.setdefault(layer, [0] * len(counts))
+            acc.extend([0] * (len(counts) - len(acc)))
+            for expert, value in enumerate(counts):
+                acc[expert] += value
+        return out
+
+    def engine_gone(self, model: str) -> None:
+        """A restarted engine counts from zero: what the gone one counted stays in the totals."""
+        self.base[model] = self.totals(model)
+        self.latest.pop(model, None)
+
+    def describe(self) -> list[Metric]:
+        return []        # samples appear as models report: nothing to check for clashes at registration
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("tokenmill:moe_expert_tokens", "Tokens routed to each expert of each "
+                                     "mixture-of-experts layer (a token counts once per expert it picked).",
+                                     labels=["model_name", "layer", "expert"])
+        for model in sorted(set(self.latest) | set(self.base)):
+            for layer, counts in sorted(self.totals(model).items(), key=lambda kv: int(kv[0])):
+                for expert, value in enumerate(counts):
+                    family.add_metric([model, layer, str(expert)], value)
+        yield family
 
 
 class ServerMetrics:
@@ -73,6 +121,7 @@ class ServerMetrics:
                                              "Accepted tokens per draft position.", labels + ["position"],
                                              registry=r)
         self._last_per_pos: list[int] = []
+        self.expert_tokens = _ExpertTokens.of(self.registry)
         self.request_success = Counter("tokenmill:request_success",
                                        "Count of successfully finished requests.",
                                        labels + ["finished_reason"], registry=r)
@@ -127,6 +176,9 @@ class ServerMetrics:
             if delta > 0:
                 self._counters[name].inc(delta)
             self._last[name] = max(value, self._last[name])
+        experts = stats.get("moe_expert_tokens")
+        if experts:
+            self.expert_tokens.latest[self.model_name] = experts
         per_pos = stats.get("spec_accepted_per_position") or []
         for j, value in enumerate(per_pos):
             if j == len(self._last_per_pos):
@@ -144,6 +196,7 @@ class ServerMetrics:
         self._lora.engine_gone()
         self._last = {k: 0 for k in _COUNTER_FIELDS}
         self._last_per_pos = []
+        self.expert_tokens.engine_gone(self.model_name)
 
     # ---------------------------------------------------------------- requests
     def request_finished(self, finish_reason: str, ttft: Optional[float], itls: list[float], e2e: float,

@@ -253,7 +253,11 @@ class ReplicaSet:
                 if isinstance(value, dict):
                     acc = out.setdefault(key, {})
                     for name, count in value.items():
-                        acc[name] = acc.get(name, 0) + count
+                        if isinstance(count, list):      # moe_expert_tokens: per layer, expert by expert
+                            row = acc.setdefault(name, [0] * len(count))
+                            acc[name] = [a + b for a, b in zip(row, count)]
+                        else:
+                            acc[name] = acc.get(name, 0) + count
         for stats, offsets in zip(self._replica_stats, self._offsets):
             for key, value in stats.items():
                 if key in _NOT_COUNTERS:

@@ -184,10 +184,13 @@ def test_features():
 
 @pytest.mark.parametrize("model_type,parallel", [("deepseek_v2", {"tensor_parallel_size": 2}),
                                                  ("deepseek_v3", {"tensor_parallel_size": 2}),
-                                                 ("deepseek_v3", {"pipeline_parallel_size": 2})])
+                                                 ("deepseek_v3", {"pipeline_parallel_size": 2}),
+                                                 ("deepseek_v3", {"tensor_parallel_size": 2,
+                                                                  "enable_expert_parallel": True})])
 def test_two_ranks_match_transformers(tmp_path, model_type, parallel):
     """tp=2: each rank holds half of the heads (q, kv_b, o) and caches the whole latent; pp=2: the
-    layers over two stages. transformers' tokens either way."""
+    layers over two stages; tp=2 with expert parallelism: 4 of the 8 routed experts per rank (grouped
+    top-k routing unchanged, the shared expert tensor-parallel). transformers' tokens either way."""
     hf = save_family(model_type, tmp_path)
     prompts = PROMPTS[:2]
     llm = make_llm(tmp_path, **parallel)

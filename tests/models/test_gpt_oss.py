@@ -93,11 +93,13 @@ def test_greedy_matches_transformers(tmp_path):
     assert_greedy_twice(llm, PROMPTS, expected)
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                      {"tensor_parallel_size": 2, "enable_expert_parallel": True}])
 def test_two_ranks_match_transformers(tmp_path, parallel):
     """Tensor parallel: each rank holds its heads' sinks and half of every expert (and of its gate/up
-    bias), the down bias added once; pipeline parallel: each stage its layers' sinks. transformers'
-    tokens."""
+    bias), the down bias added once; pipeline parallel: each stage its layers' sinks; expert parallel:
+    each rank half of the experts whole, with their biases (each down bias added by its expert's rank).
+    transformers' tokens."""
     hf = hf_model()
     save(hf, tmp_path)
     expected = hf_greedy(hf, PROMPTS[:2])
