@@ -13,7 +13,7 @@ import torch
 
 from .native_build import NativeLibrary, source
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 ROWS = 16                  # output rows per weight block (one 512-bit register of float32)
 Q4, BF16, Q8, S8 = 0, 1, 2, 5
 

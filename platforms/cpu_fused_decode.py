@@ -36,7 +36,7 @@ import torch
 from tokenmill.quantization.interface import AffineGroups, Int8Channels, PlatformPacked
 
 from .interface import DecoderLayerSpec, DecoderStackSpec, DecodeProgram, LayerStructure, ModelView
-from .cpu_fused_moe import pack_moe
+from .cpu_fused_moe import RoutingNotes, pack_moe
 from .cpu_native_layers import (ACTIVATIONS, NORM_KINDS, QK_NORMS, dense_linears, layer_refusals, linear_shape,
                                 outside_vocabulary, ranges)
 from .cpu_decode_kernels import (BF16, LIBRARY, Q4, PackedBf16, S8Weight, NativeLayer, NativeLinear, NativeModel,
@@ -157,6 +157,7 @@ class _FusedStep:
                 self._ranges[-1] = (native, self._ranges[-1][1], i + 1)
             else:
                 self._ranges.append((native, i, i + 1))
+        self._routing_notes = RoutingNotes()
         self._num_groups = 1 + max(int(getattr(layer.attention, "kv_group", 0)) for layer in spec.layers)
         self._layers = (NativeLayer * len(spec.layers))()
         for i, (slot, layer) in enumerate(zip(self._layers, spec.layers)):
@@ -214,6 +215,7 @@ class _FusedStep:
             ffn = pack_moe(layer.moe, lambda linear, name: self._linear(linear, weight_format, f"layer {i} {name}"),
                            self._keep)
             slot.moe = ctypes.addressof(ffn)
+            self._routing_notes.add(ffn, layer.moe)
         slot.window = int(layer.attention.sliding_window or 0)
         slot.group = int(getattr(layer.attention, "kv_group", 0))
         slot.norm_kind = NORM_KINDS[s.norm]
@@ -329,7 +331,15 @@ class _FusedStep:
         """Any few tokens: the native attention takes one query row per "sequence", so a sequence
         with several new tokens (verified drafts, a short prompt chunk) becomes one row per token,
         each with its sequence's block table and its own position + 1 as the context length. All
-        rows' K/V are written before any row attends, so row i sees exactly positions <= its own."""
+        rows' K/V are written before any row attends, so row i sees exactly positions <= its own.
+        Expert layers' routing lands in their token counters (RoutingNotes)."""
+        noted = self._routing_notes.point(input_ids.shape[0])
+        out = self._run(input_ids, positions, meta)
+        for counter, slot in noted:
+            counter.mark(slot)
+        return out
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         self._refresh_kv_caches()
         tokens = input_ids.shape[0]
         ids = input_ids.contiguous()

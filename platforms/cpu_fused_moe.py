@@ -32,7 +32,7 @@ class NativeMoeFfn(ctypes.Structure):
                 + [(name, _I) for name in ("router_bf16", "top_k", "scoring", "renormalize", "num_groups",
                                            "topk_groups", "round_weights")]
                 + [("routed_scaling", _F), ("shared_gate_up", NativeLinear), ("shared_down", NativeLinear),
-                   ("shared_gate", _P)])
+                   ("shared_gate", _P), ("noted_ids", _P), ("noted_rows", _I)])
 
 
 def _dense_weight(linear: Any) -> Optional[torch.Tensor]:
@@ -118,6 +118,33 @@ def pack_moe(spec: MoeSpec, linear: Callable[[Any, str], NativeLinear], keep: li
         out.shared_gate = gate.data_ptr()
     keep.append(out)
     return out
+
+
+class RoutingNotes:
+    """The per-expert token counts (core/layers/expert_tokens.py) of the layers whose expert FFN runs
+    inside the step: before each step every counted layer's FusedMoeFfn points at its row of the
+    counter's buffer, the step copies its routing there, and the layer is marked as noted after."""
+
+    def __init__(self) -> None:
+        self._layers: list[tuple[NativeMoeFfn, Any]] = []    # (structure, the FusedMoE it runs)
+
+    def add(self, ffn: NativeMoeFfn, spec: MoeSpec) -> None:
+        if spec.counted is not None:
+            self._layers.append((ffn, spec.counted))
+
+    def point(self, tokens: int) -> list[tuple[Any, int]]:
+        """Point each structure at its counter's rows (or at none where the step has more tokens than
+        the buffer holds); the (counter, slot) pairs the step will have noted."""
+        noted = []
+        for ffn, moe in self._layers:
+            counter = getattr(moe, "token_counter", None)
+            rows = counter.rows(moe.counter_slot) if counter is not None else None
+            if rows is None or rows.shape[0] < tokens:
+                ffn.noted_ids, ffn.noted_rows = None, 0
+                continue
+            ffn.noted_ids, ffn.noted_rows = rows.data_ptr(), rows.shape[0]
+            noted.append((counter, moe.counter_slot))
+        return noted
 
 
 def shared_shapes_fit(spec: Optional[MoeSpec], shape: Callable[[Any], tuple[int, int]]) -> list[str]:

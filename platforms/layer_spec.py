@@ -61,6 +61,9 @@ class MoeSpec:
     shared_gate_up: Any = None                 # the shared expert's [gate | up] Linear (None: none)
     shared_down: Any = None
     shared_gate: Any = None                    # Linear [1, hidden]: shared output times sigmoid(gate(x))
+    # The layer whose `token_counter` (core/layers/expert_tokens.py) counts the routing the program
+    # does in its place (None: not counted).
+    counted: Any = None
 
 
 @dataclass

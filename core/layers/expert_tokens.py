@@ -66,6 +66,15 @@ class ExpertTokenCounter:
         self._noted[slot, :t].copy_(ids)
         self._fresh[slot] = True
 
+    def rows(self, slot: int) -> torch.Tensor:
+        """A layer's rows of the buffer ([max tokens, top_k] int64, contiguous), for a platform program
+        that routes in the layer's place and writes its ids there itself (then `mark`)."""
+        return self._noted[slot]
+
+    def mark(self, slot: int) -> None:
+        """A platform program wrote the layer's ids into `rows(slot)` during the step's forward."""
+        self._fresh[slot] = True
+
     def collect(self, num_tokens: int, replayed: bool = False) -> None:
         """Add the last forward's first `num_tokens` rows of each layer that ran in it (after the step's
         forward; `replayed`: it was a captured graph's replay, which ran every layer's copy)."""

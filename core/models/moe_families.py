@@ -106,7 +106,7 @@ def moe_spec(moe: FusedMoE) -> MoeSpec:
         routed_scaling_factor=moe.routed_scaling_factor, weights_in_hidden_dtype=moe.weights_in_hidden_dtype,
         w13_bias=moe.w13_bias, w2_bias=moe.w2_bias, swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit,
         prepared=moe._prepared, shared_gate_up=getattr(shared, "up", None), shared_down=getattr(shared, "down", None),
-        shared_gate=moe.shared_expert_gate)
+        shared_gate=moe.shared_expert_gate, counted=moe)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -128,6 +128,10 @@ struct FusedMoeFfn {
   FusedLinear shared_gate_up;     // the shared expert's [gate | up] (n 0: no shared expert)
   FusedLinear shared_down;
   const void* shared_gate;        // [hidden] weight of its sigmoid gate (as the router's dtype), or null
+  // Where the step copies its routing (ids [tokens, top_k]) for the per-expert token counts
+  // (core/layers/expert_tokens.py), room for noted_rows tokens; null: not counted.
+  int64_t* noted_ids;
+  int64_t noted_rows;
 };
 
 // One layer. Norm weights are float32 [hidden] (null: no norm in that slot); biases null unless
@@ -1025,7 +1029,7 @@ struct Scratch {
 
 extern "C" {
 
-int tokenmill_kernels_abi_version() { return 7; }
+int tokenmill_kernels_abi_version() { return 8; }
 
 // Bit 0: Q4 matmuls run here (AVX512-VNNI: always, a build without it is refused); bit 1: BF16
 // matmuls (AVX512-BF16); bit 2: those on AMX tiles. Callers check a bit before using its kinds.
@@ -1296,6 +1300,8 @@ void moe_ffn(const FusedLayer& layer, const float* x, int64_t tokens, int64_t hi
   const FusedMoeFfn& f = *layer.moe;
   const bool bf16 = f.router_bf16;
   const float* xr = moe_route(f, x, tokens, hidden, s);
+  if (f.noted_ids && tokens <= f.noted_rows)
+    std::memcpy(f.noted_ids, s.route_ids.data(), tokens * f.top_k * sizeof(int64_t));
   fused_moe(&f.experts, x, tokens, f.top_k, s.route_ids.data(), s.route_weights.data(), s.ffn.data());
   if (!f.shared_gate_up.n) return;
   const int64_t inter = f.shared_gate_up.n / 2;

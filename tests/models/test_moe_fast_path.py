@@ -111,6 +111,20 @@ def test_qwen3_moe_decodes_with_its_expert_layers_inside_the_native_step(tmp_pat
         assert all(len(tokens) == 4 for tokens in got)
 
 
+@pytest.mark.parametrize("mode", ["bfloat16", "int4"])
+def test_expert_token_counts_include_the_native_steps_routing(tmp_path, mode):
+    """The native step routes in the layers' place and still fills their token counters: every MoE
+    layer's counts add up to every forwarded token (prompts, then each decode) times top_k."""
+    save_moe_checkpoint("qwen3_moe", FAMILIES["qwen3_moe"], tmp_path)
+    llm = _fast_llm(tmp_path, mode)
+    generate(llm, PROMPTS, max_tokens=6)
+    assert llm.engine.runner.forward.last_path == "fused_decode"
+    forwarded = sum(len(p) for p in PROMPTS) + len(PROMPTS) * (6 - 1)
+    counts = llm.engine.stats().moe_expert_tokens
+    assert sorted(counts, key=int) == ["0", "1", "2", "3"]
+    assert all(sum(row) == forwarded * DIMS["num_experts_per_tok"] for row in counts.values()), counts
+
+
 def test_qwen2_moe_shared_expert_and_dense_layers_in_the_native_step(tmp_path):
     """Qwen2-MoE: sparse layers with the shared expert times sigmoid(its gate) and a dense layer, all
     native: transformers' float32 greedy tokens, and the eager bf16 model's."""
