@@ -29,7 +29,9 @@ from tokenmill.attention_backends.interface import AttentionConfig
 from tokenmill.quantization.interface import QuantizationMethod
 from tokenmill.quantization.unquantized import UnquantizedLinearMethod
 
+from ..distributed import tp_size
 from ..layers.attention import Attention
+from ..layers.linear import Linear
 from .decoder import sliding_window as _sliding_window
 
 logger = logging.getLogger("tokenmill.models.transformers")
@@ -131,6 +133,23 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
 def _register() -> None:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+
+
+def _take_linears(base: nn.Module) -> int:
+    """Replace the network's plain nn.Linear modules by tokenmill's Linear over the same weights, so
+    the platform's dense-matmul kernel reaches them (apply_layer_kernels after loading), as vLLM's
+    Transformers backend swaps in its own linear layers. Subclasses of nn.Linear keep their own
+    forward; the output embedding is not in the base model. Returns how many were replaced."""
+    swaps = [(name, module) for name, module in base.named_modules() if type(module) is nn.Linear]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        with torch.device("meta"):         # the parameters come from `module`, none are allocated
+            linear = Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                            dtype=module.weight.dtype)
+        linear.weight = module.weight
+        linear.bias = module.bias
+        setattr(base.get_submodule(parent_name) if parent_name else base, child, linear)
+    return len(swaps)
 
 
 def _quiet(base: nn.Module) -> nn.Module:
@@ -263,7 +282,7 @@ class TransformersForCausalLM(nn.Module):
     features: ClassVar[dict[str, tuple[bool, str]]] = {
         "tp": (False, "runs on one rank (transformers' base_model_tp_plan is not wired to tokenmill's ranks)"),
         "pp": (False, "the network runs whole on one rank"),
-        "lora": (False, "its layers are transformers' nn.Linear, not tokenmill's adapter-carrying Linear"),
+        "lora": (False, "adapters are not mapped onto transformers' module names"),
         "quantization": (False, "unquantized weights only"),
         "fast_path": (False, "no decoder_stack(): decode steps run eagerly"),
         "sliding_window": (True, "per layer, as the modeling code passes it (also attention logit soft-capping)"),
@@ -311,6 +330,8 @@ class TransformersForCausalLM(nn.Module):
             raise ValueError(f"the checkpoint at {path!r} lacks {len(missing)} weights of {self._hf_cls.__name__} "
                              f"(e.g. {sorted(missing)[:3]})")
         self.hf_model = model.to(self._device).eval()
+        if tp_size() == 1:          # at tp > 1 transformers' tp plan owns the linears
+            _take_linears(model.base_model)
         self._base = _quiet(model.base_model)
         self._lm_head = model.get_output_embeddings()
 
