@@ -25,7 +25,8 @@ DEFAULT_VLLM_MODEL = "/tmp/anchors/smollm2-hf"
 ALL_WORKLOADS = ["W1", "W2", "W3", "W4"]
 KV_FLAGS = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 _HEADER = re.compile(r"^tokenmill (?P<model>\S+) on (?P<platform>\S+), dtype (?P<dtype>.+?), "
-                     r"attention (?P<attention>\S+), prefix caching (?P<prefix>on|off)$")
+                     r"attention (?P<attention>\S+), prefix caching (?P<prefix>on|off)"
+                     r"(?:, model implementation (?P<impl>\S+))?$")
 _FORMAT = re.compile(r"[-.]((?:IQ|Q)\d[A-Z0-9_]*|BF16|F16|F32)$", re.IGNORECASE)
 
 
@@ -93,6 +94,7 @@ class Mode:
     quantization: Optional[str]
     kv_cache: Optional[str]
     prefix_caching: bool
+    model_impl: str = "native"
 
     @property
     def flags(self) -> list[str]:
@@ -105,6 +107,7 @@ class Mode:
             flags += ["--dtype", self.dtype]
             if self.kv_cache:
                 flags += ["--kv-cache-dtype", KV_FLAGS.get(self.kv_cache, self.kv_cache)]
+        flags += [] if self.model_impl == "native" else ["--model-impl", self.model_impl]
         return flags + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
 
     @property
@@ -137,7 +140,7 @@ def parse_mode(header: str) -> Mode:
     extra = dict(p.split(" ", 1) for p in parts[1:] if p.startswith("quantization "))
     kv = next((p.removeprefix("KV cache ").strip() for p in parts[1:] if p.startswith("KV cache ")), None)
     return Mode(_model_stem(found["model"]), found["platform"], parts[0], extra.get("quantization"), kv,
-                found["prefix"] == "on")
+                found["prefix"] == "on", found["impl"] or "native")
 
 
 def baseline_engine(data: dict[str, Any]) -> Optional[tuple[str, str]]:

@@ -316,6 +316,9 @@ def run(args: argparse.Namespace) -> int:
     header = (f"tokenmill {engine.model_name} on {engine.platform.name}, dtype "
               f"{engine.dtype_description}, attention {engine.attention_backend_name}, "
               f"prefix caching {'on' if engine.config.cache.enable_prefix_caching else 'off'}")
+    from tokenmill.core.models.transformers_impl import TransformersForCausalLM
+    if isinstance(engine.bundle.model, TransformersForCausalLM):
+        header += ", model implementation transformers"
     from tokenmill.core.loaders.resident import weight_memory
     memory = weight_memory(engine.bundle)
     print(header)
