@@ -114,7 +114,9 @@ class LayerKernels:
     gelu_tanh_and_mul(x), moe(hidden, w13, w2, topk_weights, topk_ids, activation) (a mixture-of-experts
     layer's experts; core/layers/moe.py moe_reference is the contract), gated_delta_rule(q, k, v, g, beta,
     state, chunked) (a Gated DeltaNet layer's recurrence; core/layers/gated_deltanet.py
-    gated_delta_rule_reference is the contract). Dense matmuls are objects
+    gated_delta_rule_reference is the contract), ssd_scan(x, dt, A, B, C, D, dt_bias, dt_limit, state,
+    chunked, chunk_size) (a Mamba-2 layer's scan; core/layers/mamba2.py ssd_scan_reference is the
+    contract). Dense matmuls are objects
     with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:
     `linear` for the layers kept unquantized, `lm_head` for the vocabulary projection. A quantized
     layer's matmul is its quantization method's `apply` (with the platform's QuantKernels);
@@ -125,6 +127,7 @@ class LayerKernels:
     gelu_tanh_and_mul: Optional[Callable[..., Any]] = None
     moe: Optional[Callable[..., Any]] = None
     gated_delta_rule: Optional[Callable[..., Any]] = None
+    ssd_scan: Optional[Callable[..., Any]] = None
     linear: Any = None
     lm_head: Any = None
 

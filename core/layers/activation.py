@@ -10,7 +10,8 @@ from .params import plain_parameter
 
 # HF `hidden_act` / `hidden_activation` names -> our activation kinds.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "xielu": "xielu"}
+               "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "xielu": "xielu",
+               "relu2": "relu2"}
 
 
 def activation_kind(name: str) -> str:
@@ -29,6 +30,8 @@ def _elementwise(kind: str, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x)
     if kind == "relu":
         return F.relu(x)
+    if kind == "relu2":        # squared ReLU (Nemotron-H)
+        return F.relu(x).square()
     raise ValueError(f"activation kind {kind!r} has no elementwise form")
 
 

@@ -16,6 +16,7 @@ from .activation import GatedActivation, SiluAndMul
 from .embedding import LMHead
 from .gated_deltanet import GatedDeltaNet
 from .linear import Linear
+from .mamba2 import Mamba2Mixer
 from .moe import FusedMoE
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -27,6 +28,7 @@ LAYER_KINDS: dict[str, type[nn.Module]] = {
     "gelu_tanh_and_mul": GatedActivation,
     "moe": FusedMoE,
     "gated_delta_rule": GatedDeltaNet,
+    "ssd_scan": Mamba2Mixer,
     "linear": Linear,
     "lm_head": LMHead,
 }
