@@ -15,7 +15,10 @@ if it took fresh blocks), and before cached ones.
 
 A model with recurrent layers (core/state_cache.py) also holds one state slot per sequence: taken
 with its first blocks, released with its blocks (finish, abort, preemption), and a sequence is not
-admitted while no slot is free.
+admitted while no slot is free. With prefix caching, a cached block may also own a state checkpoint
+(the recurrent state after it, see core/state_cache.py StateCheckpoints): a hit is cut back to the
+longest prefix whose last block has one (its state is restored, the rest computed), and the
+checkpoint is released when its block is evicted.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Optional
 
 from .kv_groups import NULL_BLOCK, KVLayout
 from .sequence import Sequence
-from .state_cache import StateSlots
+from .state_cache import StateCheckpoints, StateSlots
 
 
 def chain_hash(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
@@ -32,21 +35,24 @@ def chain_hash(parent: Optional[int], token_ids: tuple[int, ...]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "checkpoint")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: Optional[int] = None
         self.token_ids: Optional[tuple[int, ...]] = None  # kept to rule out hash collisions
+        self.checkpoint = -1      # the state slot holding the recurrent state after this block, -1: none
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 layout: Optional[KVLayout] = None, window_margin: int = 0, state_slots: int = 0) -> None:
+                 layout: Optional[KVLayout] = None, window_margin: int = 0, state_slots: int = 0,
+                 state_checkpoints: int = 0) -> None:
         """`layout`: the model's KV groups (one group when None or not hybrid). `window_margin`:
         tokens kept beyond a window, for positions a speculative rollback may recompute.
-        `state_slots`: the recurrent-state slots of a hybrid model (0: it has no recurrent layers)."""
+        `state_slots`: the recurrent-state slots of a hybrid model (0: it has no recurrent layers);
+        `state_checkpoints`: the state slots after them that hold cached prefixes' states."""
         self.layout = layout if layout is not None and layout.hybrid else None
         self.windows = [g.window for g in self.layout.groups] if self.layout else [None]
         reserved = 1 if self.layout else 0          # the null block
@@ -63,6 +69,8 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.state_slots = StateSlots(state_slots) if state_slots else None
+        self.checkpoints = (StateCheckpoints(state_slots, state_checkpoints)
+                            if state_slots and state_checkpoints and enable_prefix_caching else None)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -139,8 +147,12 @@ class BlockManager:
         # The longest prefix every group can serve: all blocks in full groups, the window's in sliding ones.
         matched = min((len(found[g]) for g in groups if self.windows[g] is None or self.layout is None),
                       default=max_blocks)
-        while matched > 0 and not all(self._serves(g, found[g], hashes, tokens, matched) for g in groups):
+        while matched > 0 and not (all(self._serves(g, found[g], hashes, tokens, matched) for g in groups)
+                                   and self._resumable(found[0], matched)):
             matched -= 1
+        if matched and self.checkpoints is not None:     # its recurrent state starts from the checkpoint
+            seq.state_restore = self.blocks[found[0][matched - 1]].checkpoint
+            self.checkpoints.touch(seq.state_restore)
         tables = self.tables(seq)
         for g in groups:
             start = self._window_start(g, matched * bs)
@@ -158,6 +170,55 @@ class BlockManager:
         seq.num_computed_tokens = cached
         seq.num_cached_tokens = cached
         self.prefix_cache_hits += cached
+
+    def _resumable(self, found: list[int], matched: int) -> bool:
+        """A hit may end after `matched` blocks: no recurrent layers, or the state there is checkpointed."""
+        return self.state_slots is None or self.blocks[found[matched - 1]].checkpoint >= 0
+
+    def chunk_for_checkpoints(self, seq: Sequence, num_new: int) -> int:
+        """With state checkpoints: a prefill chunk ends on a block boundary when it can (a chunk shorter
+        than a block stays as it is), and the one that would finish the prompt stops at its last full
+        block, the last boundary a later prompt can resume from (the tokens after it run next step)."""
+        start, prompt, bs = seq.num_computed_tokens, seq.num_prompt_tokens, self.block_size
+        if self.checkpoints is None or start >= prompt or seq.spec_token_ids:
+            return num_new
+        last_full, end = (prompt - 1) // bs * bs, start + num_new
+        if end >= prompt:
+            return last_full - start if start < last_full else num_new
+        aligned = end // bs * bs
+        return aligned - start if aligned > start else num_new
+
+    def plan_state_save(self, seq: Sequence, num_new: int) -> None:
+        """seq's next `num_new` tokens end on a block boundary of its prompt that a later prompt may
+        resume from: reserve a checkpoint for the state there (copied after the step, kept by
+        `commit_state_save` once the block is cached)."""
+        end, bs = seq.num_computed_tokens + num_new, self.block_size
+        if self.checkpoints is None or end % bs or not 0 < end <= (seq.num_prompt_tokens - 1) // bs * bs:
+            return
+        i = end // bs - 1
+        cached = self._cached(0, self.full_block_hashes(seq)[i], tuple(seq.token_ids[i * bs:end]))
+        if cached is not None and self.blocks[cached].checkpoint >= 0:
+            return            # the same prefix's state is already kept
+        slot, evicted = self.checkpoints.reserve()
+        if evicted is not None:
+            self.blocks[evicted].checkpoint = -1
+        if slot >= 0:
+            seq.state_save = (slot, i)
+
+    def commit_state_save(self, seq: Sequence) -> None:
+        """After the step that saved seq's state: the checkpoint goes to the cached block it follows
+        (seq's own, or the one another sequence registered first), or back when that has one."""
+        if seq.state_save is None:
+            return
+        (slot, i), seq.state_save = seq.state_save, None
+        bs = self.block_size
+        block_id = (self._cached(0, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                    if i < len(seq.block_hashes) else None)
+        if block_id is None or self.blocks[block_id].checkpoint >= 0:
+            self.checkpoints.release(slot)
+        else:
+            self.blocks[block_id].checkpoint = slot
+            self.checkpoints.commit(slot, block_id)
 
     def _serves(self, group: int, found: list[int], hashes: list[int], tokens: list[tuple[int, ...]],
                 matched: int) -> bool:
@@ -238,6 +299,10 @@ class BlockManager:
         if self.state_slots is not None and seq.state_slot >= 0:   # the state goes with the blocks
             self.state_slots.release(seq.state_slot)
             seq.state_slot = -1
+        seq.state_restore = -1
+        if seq.state_save is not None:          # a save never committed
+            self.checkpoints.release(seq.state_save[0])
+            seq.state_save = None
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep only the K/V of seq's first `num_tokens` tokens (speculation rolled back): the
@@ -292,6 +357,9 @@ class BlockManager:
                 del self.hash_to_block[block.hash]
             block.hash = None
             block.token_ids = None
+        if block.checkpoint >= 0:           # the state after a block goes with it
+            self.checkpoints.release(block.checkpoint)
+            block.checkpoint = -1
 
     def check_invariants(self, live: list[Sequence]) -> None:
         """free + used == total; no block owned twice by one sequence; ref counts match owners;
@@ -315,3 +383,9 @@ class BlockManager:
             held = [seq.state_slot for seq in live if seq.state_slot >= 0]
             assert len(set(held)) == len(held), "a state slot held by two sequences"
             assert sorted(held + self.state_slots.free) == list(range(self.state_slots.num_slots))
+        if self.checkpoints is not None:
+            ckpt = self.checkpoints
+            owned = {b.checkpoint: b.block_id for b in self.blocks if b.checkpoint >= 0}
+            assert owned == {s: b for s, b in ckpt.owner.items() if b is not None}, "checkpoint owners disagree"
+            assert all(self.blocks[b].hash is not None for b in owned.values()), "a checkpoint on an uncached block"
+            assert sorted([*ckpt.owner, *ckpt.free]) == list(range(ckpt.first, ckpt.first + ckpt.count))

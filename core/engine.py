@@ -86,7 +86,8 @@ class LLMEngine:
         margin = config.speculative.num_speculative_tokens if config.speculative.method else 0
         block_manager = BlockManager(self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                      self.executor.kv_layout, window_margin=margin,
-                                     state_slots=getattr(self.executor, "state_slots", 0))
+                                     state_slots=getattr(self.executor, "state_slots", 0),
+                                     state_checkpoints=getattr(self.executor, "state_checkpoints", 0))
         self.eos_token_ids = tuple(bundle.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, block_manager, self.max_model_len, self.eos_token_ids)
         self.executor.lora = self.scheduler.lora = self.lora   # slots taken at admission; a row mapping per step

@@ -39,6 +39,7 @@ class UniProcExecutor(Executor):
         self.kv_cache_dtype = runner.kv_cache_dtype
         self.kv_layout = runner.kv_layout
         self.state_slots = runner.num_state_slots     # recurrent-state slots (hybrid models), 0: none
+        self.state_checkpoints = runner.num_state_checkpoints     # their prefix-cache checkpoints
 
     def execute(self, batch: "ScheduledBatch") -> "StepOutput":
         return self.runner.execute(batch)

@@ -93,6 +93,7 @@ class ModelRunner:
         else:
             self.num_blocks = platform.memory_profiler().num_kv_blocks(
                 config, self.bytes_per_block, self._profile_forward)
+        self.num_state_checkpoints = 0      # prefix-cache state checkpoints, slots after the sequences'
         self.num_state_slots = self._carve_state_slots(override is None) if self.state_layout else 0
         # Every rank holds the same block ids: the smallest pool any rank can afford wins.
         self.num_blocks = distributed.min_over_ranks(self.num_blocks)
@@ -165,18 +166,24 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV pool and state slots
     def _carve_state_slots(self, from_budget: bool) -> int:
         """Sequence slots for the recurrent layers' states, taken from the KV budget (up to half of it;
-        with num_gpu_blocks_override, beside the blocks): max_num_seqs is capped at the slots."""
+        with num_gpu_blocks_override, beside the blocks): max_num_seqs is capped at the slots. With
+        prefix caching, checkpoint slots for cached prefixes' states too (up to a quarter more)."""
         layout: StateLayout = self.state_layout
         budget = self.num_blocks * self.bytes_per_block
         slots = layout.num_slots(budget, self.max_num_seqs) if from_budget else self.max_num_seqs
         if slots <= 0:
             raise ValueError(f"no room for one sequence's recurrent state ({layout.bytes_per_seq} bytes) in the "
                              f"{budget} bytes of cache memory (raise kv_cache_memory / gpu_memory_utilization)")
+        if self.config.cache.enable_prefix_caching:
+            self.num_state_checkpoints = (layout.num_checkpoints(budget, slots) if from_budget
+                                          else layout.num_checkpoints(1 << 62, slots))
         if from_budget:
-            self.num_blocks = (budget - slots * layout.bytes_per_seq) // self.bytes_per_block
-        logger.info(layout.describe(slots, budget, self.max_num_seqs))
+            used = (slots + self.num_state_checkpoints) * layout.bytes_per_seq
+            self.num_blocks = (budget - used) // self.bytes_per_block
+        logger.info(layout.describe(slots, budget, self.max_num_seqs, self.num_state_checkpoints))
         self.max_num_seqs = self.config.scheduler.max_num_seqs = min(self.max_num_seqs, slots)
-        self.state_cache = StateCache(self.recurrent_layers, layout, slots, self.platform.zeros)
+        self.state_cache = StateCache(self.recurrent_layers, layout, slots + self.num_state_checkpoints,
+                                      self.platform.zeros)
         return slots
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -317,7 +324,8 @@ class ModelRunner:
         if self.state_cache is not None:     # each entry's state slot, checked against what it holds
             step.metadata.state = self.state_cache.batch(
                 [e.state_slot for e in inputs.entries], [e.start for e in inputs.entries],
-                query_lens, inputs.num_decodes, dev)
+                query_lens, inputs.num_decodes, dev, [e.state_restore for e in inputs.entries],
+                [e.state_save for e in inputs.entries])
         if self.lora is not None:      # one mapping per step: which rows run on which adapter slot
             self.lora.set_mapping([(entry.lora_slot, entry.num_tokens) for entry in inputs.entries])
         return step

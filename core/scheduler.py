@@ -11,6 +11,9 @@ Fair across request groups (`Sequence.group_id`: one HTTP request, all its promp
 sequences are admitted round-robin, the group with the fewest running sequences first, and a group
 with nothing running while the slots are full gets one from the group holding the most (beyond its
 fair share), so 64 prompts x n=8 of one client cannot keep another client's request waiting.
+
+A model with recurrent layers caches prefixes through state checkpoints at chunk ends: its prefill
+chunks end on block boundaries (BlockManager.chunk_for_checkpoints, core/state_cache.py).
 """
 from __future__ import annotations
 
@@ -131,6 +134,7 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if threshold:
                 num_new = min(num_new, threshold)
+            num_new = self.block_manager.chunk_for_checkpoints(seq, num_new)
             if seq.spec_token_ids:   # drafts ride along when the budget and free blocks allow
                 drafts = seq.spec_token_ids[:max(0, budget - num_new)]
                 if drafts and not self.block_manager.can_allocate(seq, num_new + len(drafts)):
@@ -140,6 +144,7 @@ class Scheduler:
             if not self._make_room(seq, num_new, batch, scheduled_ids):
                 continue   # seq itself was preempted
             self.block_manager.allocate(seq, num_new)
+            self.block_manager.plan_state_save(seq, num_new)
             entries.append((seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
@@ -167,6 +172,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            num_new = self.block_manager.chunk_for_checkpoints(seq, num_new)
             if not self.block_manager.can_allocate(seq, num_new):
                 self._undo_prefix_match(seq)
                 break
@@ -179,6 +185,7 @@ class Scheduler:
             if self.block_manager.enable_prefix_caching:
                 pending.update(self._uncomputed_prompt_hashes(seq))
             self.block_manager.allocate(seq, num_new)
+            self.block_manager.plan_state_save(seq, num_new)
             seq.status = SequenceStatus.RUNNING
             if not seq.ever_scheduled:
                 seq.ever_scheduled = True
@@ -288,6 +295,8 @@ class Scheduler:
                 self.num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
+            seq.state_restore = -1           # restored before this step
+            bm.commit_state_save(seq)
         updates: dict[int, SequenceUpdate] = {}
         for index, start, logits in result.prompt_logits:
             seq = batch.entries[index][0]

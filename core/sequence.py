@@ -70,6 +70,10 @@ class Sequence:
         self.cache_salt: Optional[int] = None
         # A hybrid model's recurrent-state slot (core/state_cache.py), held with the blocks; -1: none.
         self.state_slot = -1
+        # Prefix caching on such a model: the checkpoint its state is restored from at its next step
+        # (-1: none), and (checkpoint, block index) its state is saved to after it (None: none).
+        self.state_restore = -1
+        self.state_save: Optional[tuple[int, int]] = None
 
     # ------------------------------------------------------------------ views
     def __len__(self) -> int:

@@ -13,10 +13,27 @@ states the arithmetic in the start-up log; the block manager hands a slot to a s
 first blocks and takes it back with them (finish, abort, preemption: a preempted sequence is
 recomputed from its first token, so its state is simply dropped). `RecurrentBatch` is what one step
 tells the recurrent layers: each entry's slot and whether it starts from an empty state.
+
+Prefix caching on these models (`StateCheckpoints`): a cached block's K/V alone cannot resume a
+sequence, its recurrent layers need their state after that block. So the state is checkpointed at
+block boundaries: extra slots in the same tensors (index num_slots.., sized from the same budget and
+stated in the start-up log), each holding every recurrent layer's state after some cached block,
+and belonging to that block (evicted with it; when the pool of checkpoints is full the least
+recently used one goes, its block stays cached for its K/V). Only chunk ends are checkpointed, no
+state is extracted from inside a chunk, so this needs nothing from any layer kind: the scheduler
+ends a caching prefill's chunks on block boundaries and splits the last chunk at the prompt's last
+full block (core/scheduler.py), and a chunk's end that is a block boundary of the prompt is saved.
+A new sequence whose prompt hits cached blocks resumes from the longest hit whose last block has a
+checkpoint (core/block_manager.py match_prefix): the checkpoint is copied into its slot before the
+step and only the rest is computed. A save is copied at the start of the next step (`StateCache.batch`
+runs the pending saves first, then the restores), so the forward path is untouched. n > 1 needs no
+fork of its own: the engine runs n sequences of one prompt that share it through the prefix cache,
+so each child after the first restores the parent prompt's checkpoint (copied into its own slot).
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -66,7 +83,12 @@ class StateLayout:
         the budget (the KV blocks need the rest), then as many as fit in that share; 0: not one fits."""
         return max(0, min(max_num_seqs, int(budget_bytes * share) // max(1, self.bytes_per_seq)))
 
-    def describe(self, num_slots: int, budget_bytes: int, max_num_seqs: int) -> str:
+    def num_checkpoints(self, budget_bytes: int, max_num_seqs: int, share: float = 0.25, per_seq: int = 4) -> int:
+        """Prefix-cache checkpoint slots: as many as fit in `share` of the budget, at most `per_seq` per
+        sequence slot (each checkpoint is one cached prefix a later request can resume)."""
+        return max(0, min(per_seq * max_num_seqs, int(budget_bytes * share) // max(1, self.bytes_per_seq)))
+
+    def describe(self, num_slots: int, budget_bytes: int, max_num_seqs: int, num_checkpoints: int = 0) -> str:
         """The start-up log's line: bytes per sequence, slots, what they cost of the budget."""
         kinds = sorted({s.kind for s in self.specs})
         per_name: dict[str, int] = {}
@@ -77,9 +99,11 @@ class StateLayout:
         total = num_slots * self.bytes_per_seq
         capped = (f"; max_num_seqs capped from {max_num_seqs} to {num_slots} (one slot per running sequence)"
                   if num_slots < max_num_seqs else "")
+        checkpoints = (f"; {num_checkpoints} prefix-cache state checkpoints = "
+                       f"{num_checkpoints * self.bytes_per_seq / 2**20:.2f} MiB" if num_checkpoints else "")
         return (f"recurrent state: {len(self.specs)} {'/'.join(kinds)} layers, {self.bytes_per_seq} bytes per sequence "
                 f"({parts}); {num_slots} sequence slots = {total / 2**20:.2f} MiB of the "
-                f"{budget_bytes / 2**20:.2f} MiB cache budget{capped}")
+                f"{budget_bytes / 2**20:.2f} MiB cache budget{checkpoints}{capped}")
 
 
 class StateSlots:
@@ -102,6 +126,43 @@ class StateSlots:
 
     def release(self, slot: int) -> None:
         assert 0 <= slot < self.num_slots and slot not in self.free, f"state slot {slot} released twice"
+        self.free.append(slot)
+
+
+class StateCheckpoints:
+    """The prefix cache's state checkpoints (the block manager's): slots `first`..`first + count - 1`
+    of the state tensors, each free, reserved for a save in flight (owner None) or holding the state
+    after a cached block (owner: that block's id), in least recently used order."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+        self.free: list[int] = list(range(first + count - 1, first - 1, -1))
+        self.owner: OrderedDict[int, Optional[int]] = OrderedDict()
+
+    def reserve(self) -> tuple[int, Optional[int]]:
+        """A slot for a new save, and the block whose checkpoint was evicted for it (None: a free one).
+        (-1, None): every slot holds a save still in flight."""
+        if self.free:
+            slot = self.free.pop()
+            self.owner[slot] = None
+            return slot, None
+        slot = next((s for s, block in self.owner.items() if block is not None), -1)
+        if slot < 0:
+            return -1, None
+        evicted = self.owner.pop(slot)
+        self.owner[slot] = None
+        return slot, evicted
+
+    def commit(self, slot: int, block_id: int) -> None:
+        self.owner[slot] = block_id
+        self.owner.move_to_end(slot)
+
+    def touch(self, slot: int) -> None:
+        self.owner.move_to_end(slot)
+
+    def release(self, slot: int) -> None:
+        assert slot in self.owner, f"checkpoint slot {slot} released twice"
+        del self.owner[slot]
         self.free.append(slot)
 
 
@@ -129,9 +190,30 @@ class StateCache:
         for layer, spec in zip(layers, layout.specs):
             layer.state = {t.name: zeros((num_slots, *t.shape), t.dtype) for t in spec.tensors}
         self.held = [0] * num_slots
+        self.tensors = [t for layer in layers for t in layer.state.values()]
+        self.pending_saves: list[tuple[int, int]] = []      # (slot, checkpoint): copied at the next step
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every recurrent layer's state of slot `src` into slot `dst` (a checkpoint saved or restored, a fork)."""
+        for t in self.tensors:
+            t[dst].copy_(t[src])
+        self.held[dst] = self.held[src]
 
     def batch(self, slots: list[int], starts: list[int], num_tokens: list[int], num_decodes: int,
-              device: torch.device) -> RecurrentBatch:
+              device: torch.device, restores: Optional[list[int]] = None,
+              saves: Optional[list[int]] = None) -> RecurrentBatch:
+        """`restores`: per entry, the checkpoint its state starts from (-1: none), copied first;
+        `saves`: per entry, the checkpoint its state after this step goes to (-1: none), copied at
+        the start of the next step (before any restore, so a save is never read before it is made)."""
+        for slot, checkpoint in self.pending_saves:
+            self.copy(slot, checkpoint)
+        self.pending_saves = []
+        for slot, checkpoint in zip(slots, restores or ()):
+            if checkpoint >= 0:
+                self.copy(checkpoint, slot)
+        for slot, checkpoint in zip(slots, saves or ()):
+            if checkpoint >= 0:
+                self.pending_saves.append((slot, checkpoint))
         for slot, start, n in zip(slots, starts, num_tokens):
             if not 0 <= slot < self.num_slots:
                 raise RuntimeError(f"a sequence without a recurrent-state slot was scheduled (slot {slot})")

@@ -45,6 +45,8 @@ class EntryInput:
     lora_slot: int = -1         # the LoRA adapter slot its rows run on (core/lora/), -1: the base model
     group_tables: list[list[int]] = field(default_factory=list)   # hybrid KV: the other groups' tables
     state_slot: int = -1        # recurrent layers' state slot (core/state_cache.py), -1: none
+    state_restore: int = -1     # the checkpoint its state starts from (a prefix-cache hit), -1: none
+    state_save: int = -1        # the checkpoint its state after this step is saved to, -1: none
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +76,8 @@ class StepInputs:
             if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 prompt_rows = min(end, seq.num_prompt_tokens - 1) - start
             entries.append(EntryInput(start, ids, seq.block_table, sample, prompt_rows, seq.pooling is not None,
-                                      seq.lora_slot, seq.group_tables, seq.state_slot))
+                                      seq.lora_slot, seq.group_tables, seq.state_slot, seq.state_restore,
+                                      seq.state_save[0] if seq.state_save is not None else -1))
         return cls(entries, batch.num_decodes)
 
     def split(self, parts: int) -> list["StepInputs"]:

@@ -9,8 +9,8 @@ cache. Every norm is (1 + w); the FFN is Qwen2-MoE's router, experts and gated s
 Next, Qwen3.5-MoE) or a dense SwiGLU (Qwen3.5).
 
 First cut, said in the refusals (`check_engine_config`): one rank (the DeltaNet layers are not split
-over tensor-parallel ranks), no speculative decoding (the state cannot roll back rejected drafts) and
-no prefix caching (a cached prefix's state is not kept at block boundaries yet).
+over tensor-parallel ranks) and no speculative decoding (the state cannot roll back rejected drafts).
+Prefix caching works through the state cache's checkpoints at block boundaries (core/state_cache.py).
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
     norm_offset = 1.0
     qk_norm = "head"
     features = HYBRID_FEATURES
+    caches_prefix_state: ClassVar[bool] = True      # prefix caching through state checkpoints (core/state_cache.py)
     gdn_projection: ClassVar[str] = "grouped"
     packed_modules_mapping: ClassVar[dict[str, list[tuple[str, int]]]] = {
         "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)],
@@ -136,10 +137,11 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         if config.model.runner == "pooling" or config.lora.enable_lora:
             raise ValueError(f"{name}: {'runner=pooling' if config.model.runner == 'pooling' else 'enable_lora'} is "
                              "not supported on models with recurrent layers yet")
-        if config.cache.enable_prefix_caching:
+        # Families sharing these refusals opt in to prefix caching (state checkpoints) once checked.
+        if config.cache.enable_prefix_caching and not getattr(cls, "caches_prefix_state", False):
             config.cache.enable_prefix_caching = False
-            logger.info("%s: prefix caching disabled: a cached prefix's KV blocks would skip the recurrent "
-                        "layers' state of that prefix, which is not checkpointed at block boundaries yet", name)
+            logger.info("%s: prefix caching disabled: this family's recurrent layers are not yet checked with the "
+                        "state checkpoints at block boundaries (core/state_cache.py)", name)
 
     def __init__(self, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         if distributed.tp_size() > 1 or distributed.get_state().pp_size > 1:

@@ -4,8 +4,8 @@ transformers' and each other across a state handed over between chunks; each fam
 checkpoint transformers writes, greedy tokens identical to transformers' float32 `generate` for
 mixed-length prompts split over several prefill chunks and batched with decodes; state slots capping
 the running sequences (and the start-up log's arithmetic); preemption under a small pool; n > 1;
-the refusals (speculative decoding) and what is turned off (prefix caching, the fast decode path);
-the server once."""
+the refusals (speculative decoding) and what is turned off (the fast decode path); the server once.
+(Prefix caching through state checkpoints: tests/models/test_hybrid_prefix_cache.py.)"""
 from __future__ import annotations
 
 import logging
@@ -56,11 +56,11 @@ def test_family_matches_transformers_over_chunked_prompts(family, caplog):
     with caplog.at_level(logging.INFO):
         llm = make_llm(path, **CHUNK)
     assert tokens(generate(llm, PROMPTS)) == expected
-    again = generate(llm, PROMPTS)            # prefix caching is off: nothing cached, the same tokens
-    assert tokens(again) == expected and all(o.num_cached_tokens == 0 for o in again)
-    assert "prefix caching disabled" in caplog.text
+    again = generate(llm, PROMPTS)            # full prompt blocks resume from their state checkpoints
+    assert tokens(again) == expected and [o.num_cached_tokens for o in again] == [32, 0, 16, 32]
+    assert "prefix-cache state checkpoints" in caplog.text
     bm = llm.engine.scheduler.block_manager
-    assert not bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
+    assert bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
     bm.check_invariants([])
 
 
@@ -71,8 +71,8 @@ def test_state_slots_cap_running_sequences_and_the_log_states_the_arithmetic(fam
     llm = make_llm(path, kv_cache_memory=16 << 20, **CHUNK)
     layout = llm.engine.runner.state_layout
     budget = 6 * layout.bytes_per_seq - 1       # states may take half: room for 2 (not 3) slots
-    with caplog.at_level(logging.INFO):
-        llm = make_llm(path, kv_cache_memory=budget, max_num_seqs=8, **CHUNK)
+    with caplog.at_level(logging.INFO):        # (no prefix caching: its state checkpoints would take a quarter more)
+        llm = make_llm(path, kv_cache_memory=budget, max_num_seqs=8, enable_prefix_caching=False, **CHUNK)
     runner, scheduler = llm.engine.runner, llm.engine.scheduler
     assert runner.num_state_slots == 2 and scheduler.config.max_num_seqs == 2
     assert runner.num_blocks * runner.bytes_per_block + 2 * layout.bytes_per_seq <= budget
