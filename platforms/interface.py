@@ -116,7 +116,9 @@ class LayerKernels:
     state, chunked) (a Gated DeltaNet layer's recurrence; core/layers/gated_deltanet.py
     gated_delta_rule_reference is the contract), ssd_scan(x, dt, A, B, C, D, dt_bias, dt_limit, state,
     chunked, chunk_size) (a Mamba-2 layer's scan; core/layers/mamba2.py ssd_scan_reference is the
-    contract). Dense matmuls are objects
+    contract), kimi_delta_rule(q, k, v, g, beta, state, chunked) (Kimi Delta Attention's recurrence, the
+    decay per key channel; core/layers/kimi_delta.py kimi_delta_rule_reference is the contract). Dense
+    matmuls are objects
     with `prepare(weight) -> prepared` (once, after loading) and `__call__(x, prepared, bias)`:
     `linear` for the layers kept unquantized, `lm_head` for the vocabulary projection. A quantized
     layer's matmul is its quantization method's `apply` (with the platform's QuantKernels);
@@ -127,6 +129,7 @@ class LayerKernels:
     gelu_tanh_and_mul: Optional[Callable[..., Any]] = None
     moe: Optional[Callable[..., Any]] = None
     gated_delta_rule: Optional[Callable[..., Any]] = None
+    kimi_delta_rule: Optional[Callable[..., Any]] = None
     ssd_scan: Optional[Callable[..., Any]] = None
     linear: Any = None
     lm_head: Any = None

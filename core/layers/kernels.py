@@ -15,6 +15,7 @@ from tokenmill.platforms.interface import LayerKernels
 from .activation import GatedActivation, SiluAndMul
 from .embedding import LMHead
 from .gated_deltanet import GatedDeltaNet
+from .kimi_delta import KimiDeltaAttention
 from .linear import Linear
 from .mamba2 import Mamba2Mixer
 from .moe import FusedMoE
@@ -28,6 +29,7 @@ LAYER_KINDS: dict[str, type[nn.Module]] = {
     "gelu_tanh_and_mul": GatedActivation,
     "moe": FusedMoE,
     "gated_delta_rule": GatedDeltaNet,
+    "kimi_delta_rule": KimiDeltaAttention,
     "ssd_scan": Mamba2Mixer,
     "linear": Linear,
     "lm_head": LMHead,

@@ -104,9 +104,9 @@ class DeepseekAttention(nn.Module):
         self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), dtype=dtype,
                                 parallel="column")
         self.o_proj = Linear(h * spec.v_head_dim, hidden, bias=bias, parallel="row", **linear)
-        if rotary is None:
+        if rotary is None and family.uses_rope(config, layer_idx):
             raise ValueError(f"{family.__name__}: MLA rotates its rope dims; the layer has no rotary table")
-        self.rotary_emb = rotary
+        self.rotary_emb = rotary          # None: NoPE (Kimi Linear keeps the shared key dims unrotated)
         # DeepSeek-V3 checkpoints store each rope part as interleaved pairs that transformers
         # de-interleaves (evens, then odds) and rotates by halves (config.rope_interleave).
         self.deinterleave = bool(family.deinterleave_rope(config))
@@ -127,7 +127,8 @@ class DeepseekAttention(nn.Module):
         pe = torch.cat((q_pe, k_pe.unsqueeze(1)), dim=1)
         if self.deinterleave:
             pe = torch.cat((pe[..., 0::2], pe[..., 1::2]), dim=-1)
-        pe = self.rotary_emb(positions, pe)
+        if self.rotary_emb is not None:
+            pe = self.rotary_emb(positions, pe)
         out = self.attn(q_nope, pe[:, :spec.num_heads], latent, pe[:, spec.num_heads],
                         self.kv_b_proj.weight.view(spec.num_heads, -1, spec.kv_lora_rank), attn_metadata)
         return self.o_proj(out)
