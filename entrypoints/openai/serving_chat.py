@@ -275,9 +275,11 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     fmt = _LogprobsFormatter(state, k, bool(req.return_tokens_as_token_ids))
     created = int(time.time())
     choices = [Choice() for _ in range(n)]
+    cached = [0]
 
     def absorb(_sub: int, d: RequestDelta) -> list[Event]:
         """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
+        cached[0] = max(cached[0], d.num_cached_tokens)
         events = []
         for c in d.outputs:
             if not 0 <= c.index < n:
@@ -298,7 +300,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         return events
 
     def total_usage() -> dict[str, Any]:
-        return usage(len(ids), sum(ch.num_tokens for ch in choices))
+        return usage(len(ids), sum(ch.num_tokens for ch in choices), cached[0])
 
     if not req.stream:
         if not await collect(request, group, absorb):

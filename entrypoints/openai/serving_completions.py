@@ -103,6 +103,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     choices = {(i, j): Choice() for i in range(len(prompts)) for j in range(n)}
     echo = bool(req.echo)
     echo_texts: list[str] = []
+    cached = [0] * len(prompts)        # per prompt: its tokens the prefix cache served
 
     def prompt_texts() -> list[str]:
         """The echoed prompt texts, decoded only once the engine has accepted the prompts (an invalid
@@ -118,6 +119,8 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         """Update the choices; return per changed choice (index, text, logprobs, finish, stop_reason)."""
         if echo:
             prompt_texts()
+        if 0 <= sub < len(cached):
+            cached[sub] = max(cached[sub], d.num_cached_tokens)
         events = []
         for c in d.outputs:
             ch = choices.get((sub, c.index))
@@ -139,7 +142,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
         return events
 
     def total_usage() -> dict[str, Any]:
-        return usage(sum(len(x) for x in prompts), sum(ch.num_tokens for ch in choices.values()))
+        return usage(sum(len(x) for x in prompts), sum(ch.num_tokens for ch in choices.values()), sum(cached))
 
     def shape(index: int, text: str, lp: Any, finish: Optional[str], stop_reason: Any) -> dict[str, Any]:
         """One choice of a response body or of a streamed chunk (both have the same shape here)."""

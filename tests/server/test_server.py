@@ -6,6 +6,8 @@ tests against the fake engine (no model needed).
 """
 from __future__ import annotations
 
+import os
+
 import httpx
 import openai
 import pytest
@@ -62,6 +64,20 @@ def test_chat_usage_matches_token_counts(server, client):
     assert isinstance(out.choices[0].message.content, str) and out.choices[0].message.content
     assert out.usage.prompt_tokens == _tokenize(server, messages=MESSAGES)
     assert out.usage.completion_tokens == 6
+
+
+@pytest.mark.skipif(os.environ.get("TOKENMILL_TEST_FAKE_ENGINE") == "1", reason="the fake engine has no prefix cache")
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(client):
+    """A prompt repeated after its first run finds its full blocks cached: usage says how many."""
+    ids = [1000 + (i * 7) % 3000 for i in range(100)]
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64      # whole blocks of the 100 tokens
+    chat = [{"role": "user", "content": "Tell me about the river " + "and the sea " * 40}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_completion_tokens=2, temperature=0)
+    out = client.chat.completions.create(model=MODEL, messages=chat, max_completion_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 64
 
 
 def test_token_id_prompt_and_detokenize(server, client):
