@@ -8,11 +8,12 @@ on the config's mamba layers and attention on the others, as Qwen3-Next mixes in
 RMSNorm and one mixer (Mamba-2, attention without position encoding, a squared-ReLU MLP) added to the
 residual stream, under `backbone.*`.
 
-What the recurrent layers refuse or turn off is Qwen3-Next's (`check_engine_config`): one rank, no
-speculative decoding, no prefix caching. A model without any attention layer (Mamba-2) keeps one
-placeholder attention layer that nothing calls: the model runner sizes its step metadata and the
-block manager its blocks from the attention layers, so the placeholder keeps those paths unchanged
-at the cost of a one-head KV block per block of tokens.
+What the recurrent layers refuse is Qwen3-Next's (`check_engine_config`): one rank, no speculative
+decoding; prefix caching runs through the state checkpoints at block boundaries (core/state_cache.py).
+A model without any attention layer (Mamba-2) keeps one placeholder attention layer that nothing
+calls: the model runner sizes its step metadata and the block manager its blocks from the attention
+layers, so the placeholder keeps those paths unchanged at the cost of a one-head KV block per block
+of tokens.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class MambaHybridMixin:
     layer structure saying so, the recurrent layers listed for the state cache, the refusals."""
     features = MAMBA_FEATURES
     check_engine_config = classmethod(Qwen3NextForCausalLM.check_engine_config.__func__)
+    caches_prefix_state: ClassVar[bool] = True      # prefix caching through state checkpoints (core/state_cache.py)
     mamba_fields: ClassVar[tuple[str, ...]] = ("mamba_", "mamba_n_heads", "mamba_d_head", "mamba_n_groups",
                                                "mamba_d_state")
 
@@ -193,6 +195,7 @@ class Mamba2ForCausalLM(LlamaForCausalLM):
     """Mamba-2 alone: every layer a Mamba-2 mixer (`backbone.layers.N.mixer`)."""
     features = {**MAMBA_FEATURES, "sliding_window": (False, "no attention layers")}
     check_engine_config = classmethod(Qwen3NextForCausalLM.check_engine_config.__func__)
+    caches_prefix_state: ClassVar[bool] = True
     # Only attention's q/k/v are fused here (Nemotron-H's MLP is a plain up_proj / down_proj).
     packed_modules_mapping: ClassVar[dict[str, list[tuple[str, int]]]] = {
         "qkv_proj": [("q_proj", 0), ("k_proj", 1), ("v_proj", 2)]}

@@ -3,14 +3,15 @@ core/models/falcon_h1.py: Falcon-H1) on the
 recurrent state cache: the SSD scan's chunked and recurrent forms against transformers' and each other
 across a state handed over between chunks; each family on a random checkpoint transformers writes,
 greedy tokens identical to transformers' float32 `generate` for mixed-length prompts split over
-several prefill chunks (and several SSD chunks) and batched with decodes; preemption under a small
+several prefill chunks (and several SSD chunks) and batched with decodes, and again from the
+prefix cache (the Mamba-2 states checkpointed at block boundaries); preemption under a small
 pool; a platform's scan kernel through the door; the server once."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_helpers import assert_server_greedy, generate, hf_greedy, make_llm, save_moe_checkpoint
+from model_helpers import assert_greedy_twice, assert_server_greedy, generate, hf_greedy, make_llm, save_moe_checkpoint
 
 from tokenmill.core.layers.mamba2 import ssd_scan_reference
 
@@ -66,11 +67,10 @@ def tokens(outputs) -> list[list[int]]:
 def test_family_matches_transformers_over_chunked_prompts(family):
     path, expected = family
     llm = make_llm(path, **CHUNK)
-    assert tokens(generate(llm, PROMPTS)) == expected
-    again = generate(llm, PROMPTS)            # prefix caching is off: nothing cached, the same tokens
-    assert tokens(again) == expected and all(o.num_cached_tokens == 0 for o in again)
+    # Twice: the second pass resumes the prompts from the state checkpoints of their cached blocks.
+    assert_greedy_twice(llm, PROMPTS, expected)
     bm = llm.engine.scheduler.block_manager
-    assert not bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
+    assert bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
 
 
 def test_preemption_under_a_small_pool_and_the_scan_kernel_door(tmp_path):
