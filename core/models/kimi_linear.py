@@ -9,7 +9,8 @@ DeepSeek-V3's (core/models/deepseek.py): dense where config.mlp_layer_types says
 sigmoid-scored experts picked in groups with a correction bias, plus the shared experts.
 
 What the recurrent layers refuse or turn off is Qwen3-Next's (core/models/qwen3_next.py
-check_engine_config): one rank, no speculative decoding, no prefix caching yet.
+check_engine_config): one rank, no speculative decoding; prefix caching through the state
+checkpoints at block boundaries (core/state_cache.py), as there.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     features = KIMI_LINEAR_FEATURES
     expert_names = MIXTRAL_EXPERT_NAMES
     check_engine_config = classmethod(Qwen3NextForCausalLM.check_engine_config.__func__)   # the recurrent refusals
+    caches_prefix_state = True      # prefix caching through state checkpoints (core/state_cache.py)
 
     @classmethod
     def uses_rope(cls, config: Any, layer_idx: int) -> bool:

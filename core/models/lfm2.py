@@ -10,7 +10,8 @@ LFM2-MoE: dense FFNs on the first num_dense_layers, then sigmoid-scored experts 
 per-expert bias (feed_forward.expert_bias), renormalized, times routed_scaling_factor.
 
 What the recurrent layers refuse or turn off is Qwen3-Next's (core/models/qwen3_next.py
-check_engine_config): one rank, no speculative decoding, no prefix caching yet.
+check_engine_config): one rank, no speculative decoding; prefix caching through the state
+checkpoints at block boundaries (core/state_cache.py), as there.
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
     """LFM2: short-conv layers and q/k-normed attention layers, Llama's norms and FFN under LFM2's names."""
     qk_norm = "head"
     features = LFM2_FEATURES
-    # The recurrent layers' refusals (one rank, no speculative decoding, no prefix caching yet).
+    # The recurrent layers' refusals (one rank, no speculative decoding).
     check_engine_config = classmethod(Qwen3NextForCausalLM.check_engine_config.__func__)
+    caches_prefix_state = True      # prefix caching through state checkpoints (core/state_cache.py)
 
     @classmethod
     def make_norm(cls, config: Any, size: int, dtype: torch.dtype) -> nn.Module:

@@ -4,14 +4,15 @@ LFM2 and LFM2-MoE (core/models/lfm2.py, gated short convs: core/layers/short_con
 experts). Each family on a random checkpoint transformers writes, greedy tokens identical to
 transformers' float32 `generate` for mixed-length prompts split over several prefill chunks and batched
 with decodes; the KDA rule's chunked and recurrent forms against transformers' and each other across a
-state handed over between chunks; the platform kernel door; the refusals; LFM2 through the server once."""
+state handed over between chunks; prefix caching through state checkpoints; preemption; the platform kernel door;
+the refusals; LFM2 through the server once."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_helpers import (assert_server_greedy, generate, hf_greedy, make_llm, save_moe_checkpoint,
-                           save_random_checkpoint)
+from model_helpers import (assert_greedy_twice, assert_server_greedy, generate, hf_greedy, make_llm,
+                           save_moe_checkpoint, save_random_checkpoint)
 
 from tokenmill.core.layers.kimi_delta import kimi_delta_rule_reference
 from tokenmill.core.layers.short_conv import DepthwiseConv
@@ -64,14 +65,16 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def test_family_matches_transformers_over_chunked_prompts(family):
-    """Greedy tokens == transformers' over prompts split into chunks, batched with decodes; again with a
-    platform kernel for the recurrence (KDA's door) answering every other call."""
+    """Greedy tokens == transformers' over prompts split into chunks, batched with decodes, and again from
+    the prefix cache (the recurrent states checkpointed at block boundaries); again with a platform kernel for
+    the recurrence (KDA's door) answering every other call."""
     from tokenmill.core.layers.kernels import apply_layer_kernels
     kind, path, expected = family
     llm = make_llm(path, **CHUNK)
-    assert tokens(generate(llm, PROMPTS)) == expected
+    # Twice: the second pass resumes the prompts from the state checkpoints of their cached blocks.
+    assert_greedy_twice(llm, PROMPTS, expected)
     bm = llm.engine.scheduler.block_manager
-    assert not bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
+    assert bm.enable_prefix_caching and bm.state_slots.num_free == bm.state_slots.num_slots
     model = llm.engine.runner.model
     kinds = {layer.state_spec.kind for layer in model.recurrent_layers}
     assert kinds == ({"kda"} if kind == "kimi_linear" else {"short_conv"})
@@ -85,6 +88,15 @@ def test_family_matches_transformers_over_chunked_prompts(family):
     assert apply_layer_kernels(model, {"kimi_delta_rule": kernel}) == len(model.recurrent_layers) == 3
     assert tokens(generate(llm, PROMPTS)) == expected
     assert True in calls and False in calls
+
+
+def test_preemption_under_a_small_pool_keeps_the_tokens(family):
+    _, path, expected = family
+    llm = make_llm(path, num_gpu_blocks_override=6, kv_cache_memory=None, **CHUNK)   # 96 tokens of KV, ~150 in flight
+    assert tokens(generate(llm, PROMPTS)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    bm = llm.engine.scheduler.block_manager
+    assert bm.state_slots.num_free == bm.state_slots.num_slots
 
 
 def test_refusals(family):
