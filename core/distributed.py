@@ -188,7 +188,9 @@ def num_routed_experts(hf_config: Any) -> int:
 
 
 def _tp_problem(hf_config: Any, tp: int, expert_parallel: bool = False) -> Optional[str]:
-    heads = hf_config.num_attention_heads
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is None:              # no attention (Mamba-2 alone): the family's own checks decide
+        return None
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
         return f"{heads} attention heads do not divide by {tp}"

@@ -127,7 +127,7 @@ class Qwen3NextForCausalLM(Qwen2MoeForCausalLM):
         parallel = config.parallel
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             raise ValueError(f"{name}: tensor_parallel_size/pipeline_parallel_size > 1 are not supported on models "
-                             "with recurrent (Gated DeltaNet) layers yet; use 1")
+                             "with recurrent-state layers yet; use 1")
         if parallel.distributed_executor_backend not in (None, "uni"):
             raise ValueError(f"{name}: distributed_executor_backend {parallel.distributed_executor_backend!r}: the "
                              "recurrent state slots are the in-process runner's only (use 'uni')")
