@@ -9,8 +9,8 @@ with the default model's tokenizer, for speed comparisons across families on equ
 
 Family switches are those of the family's released models: Gemma 3 five sliding (window 512) layers
 to each global one, (1 + w) sandwich norms, GeGLU, q/k norms, a rope table per layer type; Phi-3 /
-Phi-4-mini partial rotary (0.75). Random weights decode random tokens: the speed of the arithmetic,
-not of any model's answers.
+Phi-4-mini partial rotary (0.75); Qwen3.5 three Gated DeltaNet layers to each gated full-attention
+one. Random weights decode random tokens: the speed of the arithmetic, not of any model's answers.
 
 `--family qwen3_moe` is a mixture-of-experts model sized for a small CPU instead (MOE_SIZE: Qwen3-MoE's
 switches — per-head q/k norms, every layer sparse, top-8 routing renormalized — with 48 experts of 384
@@ -36,6 +36,10 @@ FAMILIES = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}),
     "phi3": dict(partial_rotary_factor=0.75),
+    # Qwen3.5's hybrid: three Gated DeltaNet layers to each gated full-attention one, partial rotary 0.25.
+    "qwen3_5_text": dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                         linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 7 + ["linear_attention"] * 2),
     "llama": dict(),
 }
 # Families with their own size (not the default model's).
