@@ -177,14 +177,18 @@ class CpuPlatform(Platform):
     def layer_kernels(self, config) -> LayerKernels:
         """The per-op kernels (_op_kernels) and, where the experts' weights are in a form it
         multiplies (int4 / int8 experts, bf16 weights), the native mixture-of-experts op
-        (platforms/cpu_moe.py)."""
+        (platforms/cpu_moe.py); the native Gated DeltaNet decode step (platforms/cpu_recurrent.py)
+        where it builds."""
         from .cpu_linear import Bf16WeightLinear
         from .cpu_moe import moe_kernel
+        from .cpu_recurrent import gated_delta_rule_kernel
 
         kernels = self._op_kernels(config)
         if kernels.moe is None:
             kernels.moe = moe_kernel(config.model.quantization, config.model.dtype,
                                      round_weights=isinstance(kernels.linear, Bf16WeightLinear))
+        if kernels.gated_delta_rule is None:
+            kernels.gated_delta_rule = gated_delta_rule_kernel()
         return kernels
 
     def _op_kernels(self, config) -> LayerKernels:

@@ -429,4 +429,4 @@ def test_kernels_off_by_environment(monkeypatch):
     assert cpu_kernels.available() and cpu_paged_decode.available()
     monkeypatch.delenv("TOKENMILL_CPU_KERNELS")
     assert set(platform.layer_kernels(config).offered()) == {"rms_norm", "rotary", "silu_and_mul", "gelu_tanh_and_mul",
-                                                             "lm_head", "moe"}
+                                                             "lm_head", "moe", "gated_delta_rule"}
