@@ -247,10 +247,12 @@ constexpr int64_t kAmxRows = 16;   // query rows per AMX tile
 // sees the keys from seen_by_all_from on (up to its causal limit).
 struct WindowSpan {
   int64_t row0_pos, window, first_block, seen_by_all_from;
-  WindowSpan(bool causal, int64_t window_, int64_t row0_pos_, int64_t rows)
-      : row0_pos(row0_pos_), window(causal && window_ > 0 ? window_ : 0),
-        first_block(window ? std::max<int64_t>(0, row0_pos_ - window + 1) / kKeys : 0),
-        seen_by_all_from(window ? row0_pos_ + rows - window : 0) {}
+  WindowSpan(bool causal, int64_t window_, int64_t row0_pos_, int64_t rows) {
+    row0_pos = row0_pos_;
+    window = causal && window_ > 0 ? window_ : 0;
+    first_block = window ? std::max<int64_t>(0, row0_pos_ - window + 1) / kKeys : 0;
+    seen_by_all_from = window ? row0_pos_ + rows - window : 0;
+  }
   int64_t lowest(int64_t r) const { return window ? row0_pos + r - window + 1 : 0; }
 };
 

@@ -213,5 +213,5 @@ def test_models_json(capsys, monkeypatch):
     fallback = data["transformers"]
     assert fallback["implementation"] == "transformers" and fallback["available"]
     assert "--model-impl transformers" in fallback["note"]
-    assert fallback["features"]["lora"]["supported"] is False and "nn.Linear" in fallback["features"]["lora"]["detail"]
+    assert fallback["features"]["lora"]["supported"] is False and "adapters" in fallback["features"]["lora"]["detail"]
     assert "int4" in data["quantization_methods"]
