@@ -26,6 +26,7 @@ from tokenmill.quantization.interface import QuantizationMethod
 
 from ..state_cache import RecurrentBatch, RecurrentStateSpec
 from .linear import Linear
+from .short_conv import DepthwiseConv, decode_slots
 from .params import plain_parameter
 
 CHUNK = 64
@@ -116,14 +117,6 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed.to(dtype) * F.silu(gate.float())).to(dtype)
 
 
-class _Conv(nn.Module):
-    """Holds the depthwise conv's weight [conv_dim, 1, kernel] under the checkpoint's name."""
-
-    def __init__(self, channels: int, kernel: int, dtype: Optional[torch.dtype]) -> None:
-        super().__init__()
-        self.weight = plain_parameter(channels, 1, kernel, dtype=dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer over a flat batch. `projection`: "grouped" (Qwen3-Next:
     in_proj_qkvz / in_proj_ba, each key head's q, k, its value heads' v and z together) or "split"
@@ -148,7 +141,7 @@ class GatedDeltaNet(nn.Module):
                                   quant_method=quant_method)
         else:
             raise ValueError(f"Gated DeltaNet projection must be 'grouped' or 'split', got {projection!r}")
-        self.conv1d = _Conv(self.conv_dim, self.kernel, dtype)
+        self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, False, dtype)
         self.dt_bias = plain_parameter(self.hv, dtype=dtype)
         self.A_log = plain_parameter(self.hv, dtype=dtype)
         self.norm = GatedRMSNorm(self.dv, float(config.rms_norm_eps), dtype)
@@ -193,18 +186,13 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         qsl = attn_metadata.query_start_loc_cpu
         out = torch.empty(hidden.shape[0], self.hv, self.dv, dtype=hidden.dtype, device=hidden.device)
-        weight = self.conv1d.weight
         nd = batch.decode_rows
         if nd:
             self._decodes(qkv[:nd], g[:nd], beta[:nd], batch, out)
         for e in range(nd, len(batch.slots)):
             lo, hi = qsl[e], qsl[e + 1]
             slot, fresh = batch.slots[e], batch.starts[e] == 0
-            conv_state = self.state["conv"][slot]
-            prev = torch.zeros_like(conv_state) if fresh else conv_state
-            x = torch.cat((prev, qkv[lo:hi].t().to(prev.dtype)), dim=-1)             # [C, k - 1 + n]
-            conv_state.copy_(x[:, x.shape[1] - (self.kernel - 1):])
-            mixed = F.silu(F.conv1d(x.unsqueeze(0).to(weight.dtype), weight, groups=self.conv_dim))[0].t()
+            mixed = F.silu(self.conv1d.prefill(qkv[lo:hi], self.state["conv"][slot], fresh))
             q, k, v = self._heads(mixed.to(hidden.dtype), 1)
             ssm = self.state["ssm"][slot]
             initial = torch.zeros_like(ssm) if fresh else ssm
@@ -225,15 +213,11 @@ class GatedDeltaNet(nn.Module):
         """The first `decode_rows` entries, one token each, in one recurrent step (states gathered
         by slot and written back; an entry starting its sequence here starts from zeros)."""
         n = qkv.shape[0]
-        slots = batch.slots_t[:n] if batch.slots_t is not None else torch.tensor(batch.slots[:n])
-        conv, ssm = self.state["conv"][slots], self.state["ssm"][slots]          # gathered copies
-        fresh = [i for i in range(n) if batch.starts[i] == 0]
+        slots, fresh = decode_slots(batch, n)
+        ssm = self.state["ssm"][slots]                                           # a gathered copy
         if fresh:
-            conv[fresh], ssm[fresh] = 0, 0
-        weight = self.conv1d.weight
-        x = torch.cat((conv, qkv.unsqueeze(-1).to(conv.dtype)), dim=-1)            # [n, C, kernel]
-        self.state["conv"].index_copy_(0, slots, x[:, :, 1:])
-        mixed = F.silu(F.conv1d(x.to(weight.dtype), weight, groups=self.conv_dim))[:, :, 0]
+            ssm[fresh] = 0
+        mixed = F.silu(self.conv1d.decode(qkv, self.state["conv"], slots, fresh))
         q, k, v = self._heads(mixed.to(out.dtype), n)
         o, final = self.delta_rule(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), ssm, chunked=False)
         self.state["ssm"].index_copy_(0, slots, final)

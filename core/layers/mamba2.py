@@ -29,6 +29,7 @@ from tokenmill.quantization.interface import QuantizationMethod
 
 from ..state_cache import RecurrentBatch, RecurrentStateSpec
 from .linear import Linear
+from .short_conv import DepthwiseConv, decode_slots
 from .params import plain_parameter
 
 
@@ -149,15 +150,6 @@ class GroupGatedRMSNorm(nn.Module):
         return self.weight * g.to(dtype)
 
 
-class _Conv(nn.Module):
-    """The depthwise conv's weight [conv_dim, 1, kernel] (and bias) under the checkpoint's names."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool, dtype: Optional[torch.dtype]) -> None:
-        super().__init__()
-        self.weight = plain_parameter(channels, 1, kernel, dtype=dtype)
-        self.bias = plain_parameter(channels, dtype=dtype) if bias else None
-
-
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 layer over a flat batch (checkpoint names in_proj, conv1d, dt_bias, A_log, D, norm,
     out_proj as every family stores them)."""
@@ -167,7 +159,7 @@ class Mamba2Mixer(nn.Module):
         self.g = g = geometry
         self.in_proj = Linear(g.hidden, g.inner + g.conv_dim + g.heads, bias=g.proj_bias, dtype=dtype,
                               quant_method=quant_method)
-        self.conv1d = _Conv(g.conv_dim, g.kernel, g.conv_bias, dtype)
+        self.conv1d = DepthwiseConv(g.conv_dim, g.kernel, g.conv_bias, dtype)
         self.dt_bias = plain_parameter(g.heads, dtype=dtype)
         self.A_log = plain_parameter(g.heads, dtype=dtype)
         self.D = plain_parameter(g.heads, dtype=dtype)
@@ -193,11 +185,6 @@ class Mamba2Mixer(nn.Module):
                 return out
         return ssd_scan_reference(*args)
 
-    def _conv(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, C, kernel - 1 + n] -> SiLU(conv) [b, n, C]."""
-        w = self.conv1d.weight
-        return F.silu(F.conv1d(x.to(w.dtype), w, self.conv1d.bias, groups=self.g.conv_dim)).transpose(1, 2)
-
     def _split(self, xbc: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = self.g
         x, B, C = xbc.split([g.inner, g.groups * g.state, g.groups * g.state], dim=-1)
@@ -219,11 +206,8 @@ class Mamba2Mixer(nn.Module):
         for e in range(nd, len(batch.slots)):
             lo, hi = qsl[e], qsl[e + 1]
             slot, fresh = batch.slots[e], batch.starts[e] == 0
-            conv_state = self.state["conv"][slot]
-            prev = torch.zeros_like(conv_state) if fresh else conv_state
-            x = torch.cat((prev, xbc[lo:hi].t().to(prev.dtype)), dim=-1)             # [C, k - 1 + n]
-            conv_state.copy_(x[:, x.shape[1] - (g.kernel - 1):])
-            xs, B, C = self._split(self._conv(x.unsqueeze(0)).to(hidden.dtype), 1)
+            mixed = F.silu(self.conv1d.prefill(xbc[lo:hi], self.state["conv"][slot], fresh))
+            xs, B, C = self._split(mixed.unsqueeze(0).to(hidden.dtype), 1)
             ssm = self.state["ssm"][slot]
             initial = torch.zeros_like(ssm) if fresh else ssm
             y, final = self.scan(xs, dt[lo:hi].unsqueeze(0), B, C, initial.unsqueeze(0), chunked=True)
@@ -242,14 +226,12 @@ class Mamba2Mixer(nn.Module):
         """The first `decode_rows` entries, one token each, in one recurrent step (states gathered
         by slot and written back; an entry starting its sequence here starts from zeros)."""
         n = xbc.shape[0]
-        slots = batch.slots_t[:n] if batch.slots_t is not None else torch.tensor(batch.slots[:n])
-        conv, ssm = self.state["conv"][slots], self.state["ssm"][slots]          # gathered copies
-        fresh = [i for i in range(n) if batch.starts[i] == 0]
+        slots, fresh = decode_slots(batch, n)
+        ssm = self.state["ssm"][slots]                                           # a gathered copy
         if fresh:
-            conv[fresh], ssm[fresh] = 0, 0
-        x = torch.cat((conv, xbc.unsqueeze(-1).to(conv.dtype)), dim=-1)            # [n, C, kernel]
-        self.state["conv"].index_copy_(0, slots, x[:, :, 1:])
-        xs, B, C = self._split(self._conv(x).to(out.dtype), n)
+            ssm[fresh] = 0
+        mixed = F.silu(self.conv1d.decode(xbc, self.state["conv"], slots, fresh))
+        xs, B, C = self._split(mixed.unsqueeze(1).to(out.dtype), n)
         y, final = self.scan(xs, dt.unsqueeze(1), B, C, ssm, chunked=False)
         self.state["ssm"].index_copy_(0, slots, final)
         out[:n] = y[:, 0]
